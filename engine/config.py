@@ -1,0 +1,170 @@
+"""Configuration objects of the engine: what the model is, and how the engine runs it.
+
+Both validate in ``__post_init__`` so that a bad setting fails when the engine is
+built, with a message a person can act on, rather than deep inside a step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint exists but describes a model this engine cannot run."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r} is not supported; tandem runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read the fields tandem needs; reject features that would silently change the output."""
+        model_type = cfg.get("model_type", "")
+        num_heads = cfg["num_attention_heads"]
+        if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                raise UnsupportedModelError("sliding-window attention is not supported yet")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention is not supported yet")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=_rope_scaling(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_path(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(
+                f"no model at {path}: expected a Hugging Face folder with config.json "
+                "(run `tandem fetch-model` for the default model)"
+            )
+        return cls.from_dict(json.loads(cfg_file.read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5 moved rope settings into ``rope_parameters``; accept both spellings."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    scaling.pop("rope_theta", None)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return scaling
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How one engine runs a model: memory, batching limits, dtype and device."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
+    block_size: int = 16
+    kv_cache_gb: float = 2.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gb when set
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # "auto", "torch", "sdpa", "flash_attn"
+    num_threads: int | None = None
+    seed: int = 0
+    model_config: ModelConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.model_config is None:
+            self.model_config = ModelConfig.from_path(self.model)
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,114 @@
+"""Builds a ``LlamaModel`` from a local Hugging Face checkpoint or from random weights.
+
+Weights are read tensor by tensor from safetensors (no transformers import), cast
+to the engine dtype, and fused (q|k|v, gate|up) once at load time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import LayerWeights, LlamaModel
+
+Getter = Callable[[str], torch.Tensor | None]
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaModel:
+    get = _dummy_getter(config, dtype, seed) if load_format == "dummy" else _safetensors_getter(Path(model_dir))
+
+    def tensor(name: str, required: bool = True) -> torch.Tensor | None:
+        t = get(name)
+        if t is None:
+            if required:
+                raise ValueError(f"checkpoint at {model_dir} has no tensor {name!r}")
+            return None
+        return t.to(dtype=dtype, device=device)
+
+    layers = [_layer(tensor, i, config) for i in range(config.num_layers)]
+    embed = tensor("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
+    if lm_head is None:
+        lm_head = embed  # checkpoints saved with tied weights sometimes omit the flag
+    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len)
+
+
+def _layer(tensor: Callable[..., torch.Tensor | None], i: int, config: ModelConfig) -> LayerWeights:
+    p = f"model.layers.{i}."
+    qkv = [tensor(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+    bias = None
+    if config.qkv_bias:
+        bias = torch.cat([tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+    return LayerWeights(
+        input_norm=tensor(p + "input_layernorm.weight"),
+        qkv=torch.cat(qkv),
+        qkv_bias=bias,
+        o_proj=tensor(p + "self_attn.o_proj.weight"),
+        post_norm=tensor(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")]),
+        down=tensor(p + "mlp.down_proj.weight"),
+    )
+
+
+def _safetensors_getter(model_dir: Path) -> Getter:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    where: dict[str, Path] = {}
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        where = {k: model_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        for f in files:
+            with safe_open(f, framework="pt") as handle:
+                where.update(dict.fromkeys(handle.keys(), f))
+
+    def get(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        with safe_open(where[name], framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    return get
+
+
+def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int) -> Getter:
+    """Random weights of the right shapes: for benchmarks of shapes we have no weights for."""
+    gen = torch.Generator().manual_seed(seed)
+    h, d = config.hidden_size, config.head_dim
+    shapes = {
+        "q_proj.weight": (config.num_heads * d, h),
+        "k_proj.weight": (config.num_kv_heads * d, h),
+        "v_proj.weight": (config.num_kv_heads * d, h),
+        "q_proj.bias": (config.num_heads * d,),
+        "k_proj.bias": (config.num_kv_heads * d,),
+        "v_proj.bias": (config.num_kv_heads * d,),
+        "o_proj.weight": (h, config.num_heads * d),
+        "gate_proj.weight": (config.intermediate_size, h),
+        "up_proj.weight": (config.intermediate_size, h),
+        "down_proj.weight": (h, config.intermediate_size),
+        "embed_tokens.weight": (config.vocab_size, h),
+        "lm_head.weight": (config.vocab_size, h),
+    }
+
+    def get(name: str) -> torch.Tensor | None:
+        if name.endswith("norm.weight"):
+            return torch.ones(h, dtype=dtype)
+        key = ".".join(name.split(".")[-2:])
+        t = torch.empty(shapes[key], dtype=torch.float32)
+        return t.normal_(0.0, 0.02, generator=gen).to(dtype)
+
+    return get

@@ -1,0 +1,68 @@
+"""Owns the model weights and the paged KV cache tensors; runs one scheduled step."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import build_metadata, select_backend
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        assert mc is not None
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model = load_model(
+            config.model,
+            mc,
+            config.torch_dtype,
+            self.device,
+            config.max_model_len,
+            config.load_format,
+            config.seed,
+        )
+        self.attn = select_backend(
+            config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size
+        )
+        self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
+        slots = self.num_blocks * self.block_size
+        self.kv_caches = [
+            torch.zeros(2, slots, mc.num_kv_heads, mc.head_dim, dtype=config.torch_dtype, device=self.device)
+            for _ in range(mc.num_layers)
+        ]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers: the wire size of a block."""
+        mc = self.config.model_config
+        itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        return mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+
+    def _blocks_for(self, gigabytes: float) -> int:
+        return max(1, int(gigabytes * 2**30) // self.block_bytes)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits [num_sampling_requests, vocab] for the requests whose step ends in a sample."""
+        ids, positions, spans, sample_rows = [], [], [], []
+        offset = 0
+        for s in sched.scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            ids.extend(r.token_ids(start, start + s.num_tokens))
+            positions.extend(range(start, start + s.num_tokens))
+            spans.append((start, s.num_tokens, r.block_ids))
+            offset += s.num_tokens
+            if s.samples:
+                sample_rows.append(offset - 1)
+        meta = build_metadata(spans, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
+        if not sample_rows:
+            return hidden.new_empty(0, self.model.lm_head.shape[0], dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])

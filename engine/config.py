@@ -61,6 +61,17 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read the fields tandem needs; reject features that would silently change the output."""
         model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; tandem runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            return cls._from_dict(cfg, model_type)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"config.json lacks the field {exc.args[0]!r}") from exc
+
+    @classmethod
+    def _from_dict(cls, cfg: dict[str, Any], model_type: str) -> ModelConfig:
         num_heads = cfg["num_attention_heads"]
         if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
             if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):

@@ -14,7 +14,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, ScheduledRequest
+from engine.scheduler import ScheduledRequest, Scheduler
 
 
 class Engine:

@@ -1,0 +1,35 @@
+# tandem: `make run` streams an answer from the default model; `make test` runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TANDEM := $(VENV)/bin/tandem
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup model run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(TANDEM) fetch-model
+
+run: model
+	$(TANDEM) generate --local "$(PROMPT)"
+
+test: model
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(TANDEM) bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,120 @@
+"""An asyncio front for the engine: the step loop runs in its own thread and never
+blocks the event loop; each request is an async iterator of outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Add:
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; a ValueError from validation is raised here; cancelling aborts."""
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(prompt, params, request_id, priority, sink, loop))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished()
+            if not self._drain_inbox(block):
+                return
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug in a step fails its requests instead of hanging them
+                self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._sinks):
+            self.engine.abort(request_id)
+            sink, loop = self._sinks.pop(request_id)
+            loop.call_soon_threadsafe(sink.put_nowait, exc)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False when asked to stop."""
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            self._apply(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            self.engine.abort(item.request_id)
+            self._sinks.pop(item.request_id, None)
+            return
+        try:
+            self.engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+        except (ValueError, TypeError) as exc:
+            item.loop.call_soon_threadsafe(item.sink.put_nowait, exc)
+            return
+        self._sinks[item.request_id] = (item.sink, item.loop)
+
+    def _deliver(self, request_id: str, item: RequestOutput, last: bool) -> None:
+        target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
+        if target is not None:
+            sink, loop = target
+            loop.call_soon_threadsafe(sink.put_nowait, item)

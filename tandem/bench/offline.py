@@ -1,0 +1,227 @@
+"""``tandem bench offline``: the engine in-process against transformers, in one run.
+
+Workload (fixed seed): N requests, prompt lengths uniform in [32, 512], output
+lengths uniform in [16, 256], ignore_eos, each request counting only its own
+output. transformers runs static-batch ``generate`` with left padding at each
+batch size of ``--hf-batch-sizes`` and the best one is reported. Single-stream
+decode is compared with transformers and with the memory-bandwidth roofline
+(weight bytes / read bandwidth, measured here in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
+    p.add_argument("--output-len", default="16,256", help="min,max output tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers (tandem figures only)")
+    p.add_argument("--single-new-tokens", type=int, default=128)
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def make_workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    return Workload(prompts, [rng.randint(*out_range) for _ in range(n)])
+
+
+def read_bandwidth_gbps(num_threads: int) -> float:
+    """Best of 3 ``torch.sum`` passes over 1 GiB of float32 (the peers' roofline method)."""
+    torch.set_num_threads(num_threads)
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(3))
+    return (1 << 30) / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def tandem_batch(engine, work: Workload) -> float:
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
+    t = time.perf_counter()
+    outs = engine.generate(work.prompts, params)
+    wall = time.perf_counter() - t
+    assert [len(o) for o in outs] == work.output_lens
+    return work.num_output_tokens / wall
+
+
+def tandem_single(engine, prompt: list[int], new: int) -> float:
+    """Decode tokens/s of one stream: (new - 1) tokens over the time after the first."""
+    from engine import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        engine.step()
+        first = first or time.perf_counter()
+    return (new - 1) / (time.perf_counter() - first)
+
+
+def hf_batch(model, work: Workload, batch_size: int, pad_id: int) -> float:
+    t = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts, lens = work.prompts[i : i + batch_size], work.output_lens[i : i + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        new = max(lens)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=pad_id)
+    return work.num_output_tokens / (time.perf_counter() - t)
+
+
+def hf_single(model, prompt: list[int], new: int, pad_id: int) -> float:
+    ids = torch.tensor([prompt])
+
+    def gen(n: int) -> float:
+        with torch.inference_mode():
+            return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id))
+
+    t1, tn = gen(1), gen(new)
+    return (new - 1) / (tn - t1)
+
+
+def weight_bytes(engine) -> int:
+    m = engine.runner.model
+    tensors = [m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head])
+    for layer in m.layers:
+        tensors += [getattr(layer, n) for n in layer.__slots__ if getattr(layer, n) is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
+    from engine import Engine
+    from tandem.cli import engine_config
+
+    args.dtype = dtype
+    engine = Engine(engine_config(args))
+    engine.generate([single_prompt[:16]] * 2)  # warm-up
+    row: dict = {"dtype": dtype, "weight_bytes": weight_bytes(engine)}
+    row["tandem_batch_out_tok_s"] = tandem_batch(engine, work)
+    row["tandem_single_decode_tok_s"] = tandem_single(engine, single_prompt, args.single_new_tokens)
+    assert engine.num_free_blocks == engine.num_total_blocks
+    del engine
+    if not args.no_hf:
+        row.update(bench_hf(args, dtype, work, single_prompt))
+    return row
+
+
+def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.cli import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, dtype)).eval()
+    pad = model.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
+    hf_single(model, single_prompt[:16], 4, pad)  # warm-up
+    per_bs = {}
+    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
+        per_bs[bs] = hf_batch(model, work, bs, pad)
+        print(f"  transformers {dtype} bs{bs}: {per_bs[bs]:.1f} out tok/s", file=sys.stderr)
+    best = max(per_bs, key=per_bs.get)
+    return {
+        "hf_batch_out_tok_s_by_bs": per_bs,
+        "hf_best_bs": best,
+        "hf_best_batch_out_tok_s": per_bs[best],
+        "hf_single_decode_tok_s": hf_single(model, single_prompt, args.single_new_tokens, pad),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import ModelConfig
+    from tandem.cli import resolve_model
+
+    threads = args.num_threads or torch.get_num_threads()
+    args.num_threads = threads
+    mc = ModelConfig.from_path(resolve_model(args.model))
+    work = make_workload(args.num_requests, _range(args.prompt_len), _range(args.output_len), mc.vocab_size, args.seed)
+    single_prompt = make_workload(1, (32, 32), (1, 1), mc.vocab_size, args.seed + 1).prompts[0]
+    bw = read_bandwidth_gbps(threads)
+    print(f"read bandwidth {bw:.1f} GB/s ({threads} threads); {args.num_requests} requests, "
+          f"{work.num_output_tokens} output tokens", file=sys.stderr)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        row = bench_dtype(args, dtype, work, single_prompt)
+        row["roofline_decode_tok_s"] = bw * 1e9 / row["weight_bytes"]
+        row["single_fraction_of_roofline"] = row["tandem_single_decode_tok_s"] / row["roofline_decode_tok_s"]
+        if "hf_best_batch_out_tok_s" in row:
+            row["batch_ratio_vs_hf"] = row["tandem_batch_out_tok_s"] / row["hf_best_batch_out_tok_s"]
+            row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
+        rows.append(row)
+        print(f"  done {dtype}: {json.dumps(row)}", file=sys.stderr)
+    print(format_table(rows, bw))
+    write_json(args, rows, bw)
+    return 0
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def format_table(rows: list[dict], bw: float) -> str:
+    def f(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"read bandwidth (same run): {bw:.1f} GB/s",
+        "| dtype | tandem batch out tok/s | HF best static (bs) | ratio | tandem 1-stream decode tok/s | "
+        "HF 1-stream | ratio | roofline tok/s | fraction of roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hf = f"{f(r.get('hf_best_batch_out_tok_s'))} (bs{r.get('hf_best_bs', '-')})"
+        lines.append(
+            f"| {r['dtype']} | {f(r['tandem_batch_out_tok_s'])} | {hf} | {f(r.get('batch_ratio_vs_hf'), '{:.2f}x')} | "
+            f"{f(r['tandem_single_decode_tok_s'])} | {f(r.get('hf_single_decode_tok_s'))} | "
+            f"{f(r.get('single_ratio_vs_hf'), '{:.2f}x')} | {f(r['roofline_decode_tok_s'])} | "
+            f"{f(r['single_fraction_of_roofline'] * 100, '{:.0f}%')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], bw: float) -> None:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    doc = {"bench": "offline", "machine": platform.processor() or platform.machine(), "read_bw_gbps": bw,
+           "torch": torch.__version__, "settings": settings, "results": rows}
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    print(f"wrote {path}", file=sys.stderr)
+
+

@@ -1,0 +1,114 @@
+"""Greedy output equals transformers' token for token; logprobs match; blocks come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from tests.hf_reference import hf_greedy, hf_greedy_logprobs, load_hf
+
+
+def mixed_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    outs = engine.generate(prompts, params)
+    assert engine.num_free_blocks == engine.num_total_blocks, "KV blocks leaked"
+    return outs
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-mha-tied", "qwen2", "mistral"])
+def test_tiny_greedy_matches_transformers(tiny_models, name):
+    path = tiny_models[name]
+    prompts = mixed_prompts(7, 256, 1, 70)
+    max_tokens = [5, 30, 12, 1, 25, 8, 17]  # requests finish at different steps
+    # max_num_seqs=3: waiting requests join as running ones leave, mid-batch.
+    engine = Engine.from_model(str(path), num_kv_blocks=64, max_num_seqs=3)
+    outs = run_engine(engine, prompts, max_tokens)
+    hf = load_hf(path)
+    for prompt, n, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out == hf_greedy(hf, prompt, n)
+
+
+def test_tiny_chunked_prefill_and_preemption_match(tiny_llama):
+    prompts = mixed_prompts(6, 256, 20, 90, seed=1)
+    max_tokens = [40, 35, 30, 25, 20, 45]
+    reference = run_engine(Engine.from_model(str(tiny_llama), num_kv_blocks=128), prompts, max_tokens)
+    hf = load_hf(tiny_llama)
+    assert reference == [hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+
+    chunked = Engine.from_model(str(tiny_llama), num_kv_blocks=128, max_num_batched_tokens=24)
+    assert run_engine(chunked, prompts, max_tokens) == reference
+
+    # 14 blocks of 16 tokens cannot hold every request at once: the newest are preempted.
+    tight = Engine.from_model(str(tiny_llama), num_kv_blocks=14, max_num_batched_tokens=64)
+    assert run_engine(tight, prompts, max_tokens) == reference
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_tiny_logprobs_match_transformers(tiny_llama):
+    prompt = mixed_prompts(1, 256, 12, 12, seed=2)[0]
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=16)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]
+    tokens, ref = hf_greedy_logprobs(load_hf(tiny_llama), prompt, 6)
+    assert [s.token_id for s in steps] == tokens
+    for step, ref_lp in zip(steps, ref, strict=True):
+        ref_vals, ref_ids = ref_lp.topk(5)
+        assert [t for t, _ in step.top] == ref_ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in step.top]), ref_vals, atol=1e-3)
+        assert step.rank == 1 and abs(step.logprob - ref_vals[0].item()) < 1e-3
+
+
+def test_bfloat16_agrees_with_float32_on_first_token(tiny_llama):
+    prompts = mixed_prompts(4, 256, 5, 40, seed=3)
+    fp32 = run_engine(Engine.from_model(str(tiny_llama), num_kv_blocks=32), prompts, [1] * 4)
+    bf16 = run_engine(Engine.from_model(str(tiny_llama), num_kv_blocks=32, dtype="bfloat16"), prompts, [1] * 4)
+    assert bf16 == fp32
+
+
+def test_default_model_greedy_batch_matches_transformers(default_model):
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(default_model)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain photosynthesis to a child in two sentences, using simple words and one example.",
+        "2+2=",
+        "List three prime numbers.",
+    ]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    prompts.append(tok.encode("The quick brown fox"))
+    max_tokens = [24, 10, 32, 3, 16, 20]
+    engine = Engine.from_model(str(default_model), kv_cache_gb=0.25, max_num_seqs=4)
+    outs = run_engine(engine, prompts, max_tokens)
+    hf = load_hf(default_model)
+    for prompt, n, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out == hf_greedy(hf, prompt, n)
+    assert "Paris" in tok.decode(outs[0])
+
+
+def test_default_model_logprobs_match_transformers(default_model):
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    prompt = TextTokenizer(default_model).encode_chat([{"role": "user", "content": "Name a color."}])
+    engine = Engine.from_model(str(default_model), kv_cache_gb=0.1)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=5, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]
+    tokens, ref = hf_greedy_logprobs(load_hf(default_model), prompt, 4)
+    assert [s.token_id for s in steps] == tokens
+    for step, ref_lp in zip(steps, ref, strict=True):
+        ref_vals, ref_ids = ref_lp.topk(5)
+        assert [t for t, _ in step.top] == ref_ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in step.top]), ref_vals, atol=1e-3)

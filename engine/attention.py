@@ -21,7 +21,7 @@ class PrefillSpan:
     start: int
     length: int
     context_len: int
-    context_slots: torch.Tensor | None  # None when the span is the whole context (no earlier tokens)
+    context_blocks: torch.Tensor | None  # None when the span is the whole context (no earlier tokens)
     mask: torch.Tensor | None  # causal mask offset by the earlier context
 
 
@@ -29,8 +29,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     decode_token_index: torch.Tensor | None  # [num_decodes] positions in the step's token stream
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] cache slots to read
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where attended
+    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids to read, row-major
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where attended
     prefills: list[PrefillSpan]
     # what the flash-attn backend needs
     block_tables: torch.Tensor | None = None
@@ -58,7 +58,7 @@ def build_metadata(
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
         decode_token_index=None,
-        decode_slots=None,
+        decode_blocks=None,
         decode_mask=None,
         prefills=prefills,
     )
@@ -72,10 +72,9 @@ def _prefill_span(
 ) -> PrefillSpan:
     if context == new:
         return PrefillSpan(start, new, context, None, None)
-    positions = torch.arange(context)
-    ctx_slots = blocks[positions // block_size] * block_size + positions % block_size
+    ctx_blocks = blocks[: -(-context // block_size)]
     mask = torch.ones(new, context, dtype=torch.bool).tril(context - new)
-    return PrefillSpan(start, new, context, ctx_slots.to(device), mask.to(device))
+    return PrefillSpan(start, new, context, ctx_blocks.to(device), mask.to(device))
 
 
 def _add_decode_metadata(
@@ -91,12 +90,12 @@ def _add_decode_metadata(
     table = torch.zeros(len(tables), max_blocks, dtype=torch.long)
     for i, t in enumerate(tables):
         table[i, : len(t)] = t[:max_blocks]
-    positions = torch.arange(max_len)
-    slots = table[:, positions // block_size] * block_size + positions % block_size
+    width = max_blocks * block_size
+    positions = torch.arange(width)
     lens_t = torch.tensor(lens)
     meta.decode_token_index = torch.tensor(index, device=device)
-    meta.decode_slots = slots.to(device)
-    meta.decode_mask = (positions[None, :] < lens_t[:, None]).view(len(lens), 1, 1, max_len).to(device)
+    meta.decode_blocks = table.flatten().to(device)
+    meta.decode_mask = (positions[None, :] < lens_t[:, None]).view(len(lens), 1, 1, width).to(device)
     meta.block_tables = table.to(device=device, dtype=torch.int32)
     meta.context_lens = lens_t.to(device=device, dtype=torch.int32)
 
@@ -136,24 +135,39 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Portable backend: gathers the paged context, then uses torch SDPA (CPU or CUDA)."""
+    """Portable backend: gathers the paged context block by block, then uses torch SDPA.
+
+    Gathering whole blocks with ``index_select`` copies rows of block_size * heads *
+    head_dim elements; per-slot indexing is an order of magnitude slower on CPU.
+    """
 
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.block_size = block_size
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[n_blocks] block ids -> [n_blocks * block_size, Hkv, D] of one K or V cache."""
+        rows = cache.view(-1, self.block_size * self.num_kv_heads * self.head_dim).index_select(0, blocks)
+        return rows.view(-1, self.num_kv_heads, self.head_dim)
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Grouped heads become the query length, so GQA needs no repeated K/V.
         b, group = q.shape[0], self.num_heads // self.num_kv_heads
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-        keys = kv[0][meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        values = kv[1][meta.decode_slots].transpose(1, 2)
+        shape = (b, -1, self.num_kv_heads, self.head_dim)
+        keys = self.gather(kv[0], meta.decode_blocks).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        values = self.gather(kv[1], meta.decode_blocks).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return out.reshape(b, self.num_heads, self.head_dim)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        if span.context_slots is not None:
-            k, v = kv[0][span.context_slots], kv[1][span.context_slots]
+        if span.context_blocks is not None:
+            k = self.gather(kv[0], span.context_blocks)[: span.context_len]
+            v = self.gather(kv[1], span.context_blocks)[: span.context_len]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -176,11 +190,10 @@ class FlashAttnBackend(TorchAttentionBackend):
     name = "flash_attn"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         from flash_attn import flash_attn_with_kvcache
 
         self._kernel = flash_attn_with_kvcache
-        self.block_size = block_size
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         shape = (-1, self.block_size, self.num_kv_heads, self.head_dim)
@@ -216,5 +229,5 @@ def select_backend(
             raise ValueError("attention_backend 'flash_attn' needs CUDA and the flash-attn package")
         return FlashAttnBackend(num_heads, num_kv_heads, head_dim, block_size)
     if name in ("torch", "sdpa"):
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, sdpa or flash_attn")

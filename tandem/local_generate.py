@@ -43,6 +43,7 @@ def generate_local(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             reason = out.finish_reason
     sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.flush()
     end = time.perf_counter()
     ttft = (first - start) * 1000 if first else float("nan")
     tps = (n - 1) / (end - first) if first and n > 1 else float("nan")

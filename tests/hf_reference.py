@@ -14,6 +14,7 @@ def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32):
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """Greedy continuation; stops after the model's EOS token, as the engine does without ignore_eos."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
@@ -21,7 +22,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[i
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             pad_token_id=0,
             **kwargs,
         )
@@ -37,7 +37,6 @@ def hf_greedy_logprobs(model, prompt: list[int], max_new_tokens: int) -> tuple[l
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,

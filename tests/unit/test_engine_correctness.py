@@ -16,8 +16,10 @@ def mixed_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[l
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+def run_engine(
+    engine: Engine, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = True
+) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos) for m in max_tokens]
     outs = engine.generate(prompts, params)
     assert engine.num_free_blocks == engine.num_total_blocks, "KV blocks leaked"
     return outs
@@ -90,7 +92,7 @@ def test_default_model_greedy_batch_matches_transformers(default_model):
     prompts.append(tok.encode("The quick brown fox"))
     max_tokens = [24, 10, 32, 3, 16, 20]
     engine = Engine.from_model(str(default_model), kv_cache_gb=0.25, max_num_seqs=4)
-    outs = run_engine(engine, prompts, max_tokens)
+    outs = run_engine(engine, prompts, max_tokens, ignore_eos=False)  # the real model does emit EOS
     hf = load_hf(default_model)
     for prompt, n, out in zip(prompts, max_tokens, outs, strict=True):
         assert out == hf_greedy(hf, prompt, n)
@@ -102,7 +104,7 @@ def test_default_model_logprobs_match_transformers(default_model):
 
     prompt = TextTokenizer(default_model).encode_chat([{"role": "user", "content": "Name a color."}])
     engine = Engine.from_model(str(default_model), kv_cache_gb=0.1)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=5, ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=5))
     steps = []
     while engine.has_unfinished():
         steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]

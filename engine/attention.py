@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, behind one interface with several backends.
 
-The cache of one layer is a tensor ``[2, num_blocks * block_size, num_kv_heads,
-head_dim]``: block ``b`` holds slots ``b*block_size ... (b+1)*block_size - 1``.
+A block ``b`` holds the tokens at slots ``b*block_size ... (b+1)*block_size - 1``;
+each backend lays the slots of one layer's cache out in the order its kernels read
+fastest (``cache_shape``).
 ``AttentionMetadata`` is built once per step from the block tables and shared by
 every layer, so per-layer work is only the kernel calls.
 """
@@ -23,6 +24,7 @@ class PrefillSpan:
     context_len: int
     context_blocks: torch.Tensor | None  # None when the span is the whole context (no earlier tokens)
     mask: torch.Tensor | None  # causal mask offset by the earlier context
+    block_table: torch.Tensor  # every block of the request (for kernels that read the cache directly)
 
 
 @dataclass(slots=True)
@@ -30,8 +32,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     decode_token_index: torch.Tensor | None  # [num_decodes] positions in the step's token stream
     decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids to read, row-major
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True where attended
+    decode_pad_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size] True on padding
     prefills: list[PrefillSpan]
+    all_decode: bool = False  # every token is a decode, in stream order
     # what the flash-attn backend needs
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
@@ -59,22 +62,24 @@ def build_metadata(
         slot_mapping=torch.cat(slots).to(device),
         decode_token_index=None,
         decode_blocks=None,
-        decode_mask=None,
+        decode_pad_mask=None,
         prefills=prefills,
     )
     if dec_index:
         _add_decode_metadata(meta, dec_index, dec_lens, dec_tables, block_size, device)
+        meta.all_decode = not prefills
     return meta
 
 
 def _prefill_span(
     start: int, new: int, context: int, blocks: torch.Tensor, block_size: int, device: torch.device
 ) -> PrefillSpan:
+    table = blocks.to(device)
     if context == new:
-        return PrefillSpan(start, new, context, None, None)
+        return PrefillSpan(start, new, context, None, None, table)
     ctx_blocks = blocks[: -(-context // block_size)]
     mask = torch.ones(new, context, dtype=torch.bool).tril(context - new)
-    return PrefillSpan(start, new, context, ctx_blocks.to(device), mask.to(device))
+    return PrefillSpan(start, new, context, ctx_blocks.to(device), mask.to(device), table)
 
 
 def _add_decode_metadata(
@@ -95,28 +100,37 @@ def _add_decode_metadata(
     lens_t = torch.tensor(lens)
     meta.decode_token_index = torch.tensor(index, device=device)
     meta.decode_blocks = table.flatten().to(device)
-    meta.decode_mask = (positions[None, :] < lens_t[:, None]).view(len(lens), 1, 1, width).to(device)
+    meta.decode_pad_mask = (positions[None, :] >= lens_t[:, None]).view(1, len(lens), 1, width).to(device)
     meta.block_tables = table.to(device=device, dtype=torch.int32)
     meta.context_lens = lens_t.to(device=device, dtype=torch.int32)
 
 
 class AttentionBackend:
-    """Writes the step's K/V into the cache and attends; one instance serves every layer."""
+    """Writes the step's K/V into the cache and attends; one instance serves every layer.
+
+    A backend also chooses its cache layout (``cache_shape``), since kernels differ
+    in what they read fastest.
+    """
 
     name = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.block_size = block_size
         self.scale = head_dim**-0.5
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        raise NotImplementedError
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D], kv: this layer's cache. Returns [T, Hq * D]."""
-        kv[0].index_copy_(0, meta.slot_mapping, k)
-        kv[1].index_copy_(0, meta.slot_mapping, v)
+        self.write(k, v, kv, meta.slot_mapping)
+        if meta.all_decode:  # the common step: no scatter of partial results needed
+            return self.decode(q, kv, meta).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
             out[meta.decode_token_index] = self.decode(q[meta.decode_token_index], kv, meta)
@@ -124,6 +138,9 @@ class AttentionBackend:
             sl = slice(span.start, span.start + span.length)
             out[sl] = self.prefill(q[sl], k[sl], v[sl], kv, span)
         return out.view(q.shape[0], -1)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
@@ -135,43 +152,58 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Portable backend: gathers the paged context block by block, then uses torch SDPA.
+    """Portable backend (CPU or CUDA): gathers the paged context, then matmul-softmax or SDPA.
 
-    Gathering whole blocks with ``index_select`` copies rows of block_size * heads *
-    head_dim elements; per-slot indexing is an order of magnitude slower on CPU.
+    The cache is head-major, ``[2, Hkv, slots, D]``, so that gathering whole blocks
+    with one ``index_select`` per K and V yields ``[Hkv, B, L, D]``, contiguous and
+    ready for batched matmuls without a transpose copy. Per-slot indexing or a
+    token-major layout is several times slower on CPU.
     """
 
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
-        self.block_size = block_size
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        kv[0].index_copy_(1, slots, k.transpose(0, 1))
+        kv[1].index_copy_(1, slots, v.transpose(0, 1))
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[n_blocks] block ids -> [n_blocks * block_size, Hkv, D] of one K or V cache."""
-        rows = cache.view(-1, self.block_size * self.num_kv_heads * self.head_dim).index_select(0, blocks)
-        return rows.view(-1, self.num_kv_heads, self.head_dim)
+        """[n] block ids -> [Hkv, n * block_size, D] from one K or V cache.
+
+        One ``index_select`` over dim 0 per head: on CPU that is up to 10x faster
+        than a single ``index_select`` over dim 1 of the whole cache.
+        """
+        rows = cache.view(self.num_kv_heads, -1, self.block_size * self.head_dim)
+        out = rows.new_empty(self.num_kv_heads, blocks.shape[0], rows.shape[-1])
+        for head in range(self.num_kv_heads):
+            torch.index_select(rows[head], 0, blocks, out=out[head])
+        return out.view(self.num_kv_heads, -1, self.head_dim)
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # Grouped heads become the query length, so GQA needs no repeated K/V.
+        # Grouped query heads become rows of one matmul per KV head: GQA needs no repeated K/V.
         b, group = q.shape[0], self.num_heads // self.num_kv_heads
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-        shape = (b, -1, self.num_kv_heads, self.head_dim)
-        keys = self.gather(kv[0], meta.decode_blocks).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        values = self.gather(kv[1], meta.decode_blocks).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
-        return out.reshape(b, self.num_heads, self.head_dim)
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+        keys = self.gather(kv[0], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        values = self.gather(kv[1], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale)  # [Hkv, B, G, L]
+        scores.masked_fill_(meta.decode_pad_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
         if span.context_blocks is not None:
-            k = self.gather(kv[0], span.context_blocks)[: span.context_len]
-            v = self.gather(kv[1], span.context_blocks)[: span.context_len]
+            k = self.gather(kv[0], span.context_blocks)[:, : span.context_len]
+            v = self.gather(kv[1], span.context_blocks)[:, : span.context_len]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            k,
+            v,
             attn_mask=span.mask,
             is_causal=span.mask is None,
             scale=self.scale,
@@ -180,11 +212,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1)
 
 
-class FlashAttnBackend(TorchAttentionBackend):
-    """CUDA only: flash-attn's paged KV kernel for decode, SDPA for prefill spans.
+class FlashAttnBackend(AttentionBackend):
+    """CUDA only: flash-attn's paged KV kernel, cache ``[2, num_blocks, block_size, Hkv, D]``.
 
     flash-attn's paged cache needs a block size that is a multiple of 256; with
-    smaller blocks the engine uses the torch backend instead.
+    smaller blocks ``select_backend`` picks the torch backend instead.
     """
 
     name = "flash_attn"
@@ -195,18 +227,28 @@ class FlashAttnBackend(TorchAttentionBackend):
 
         self._kernel = flash_attn_with_kvcache
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        kv[0].view(flat).index_copy_(0, slots, k)
+        kv[1].view(flat).index_copy_(0, slots, v)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self._kernel(q, kv[0], kv[1], cache_seqlens=lens, block_table=table,
+                            softmax_scale=self.scale, causal=True)
+
     def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        shape = (-1, self.block_size, self.num_kv_heads, self.head_dim)
-        out = self._kernel(
-            q.unsqueeze(1),
-            kv[0].view(shape),
-            kv[1].view(shape),
-            cache_seqlens=meta.context_lens,
-            block_table=meta.block_tables,
-            softmax_scale=self.scale,
-            causal=True,
-        )
-        return out.squeeze(1)
+        return self._attend(q.unsqueeze(1), kv, meta.context_lens, meta.block_tables).squeeze(1)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        # causal=True aligns the queries to the end of the cached context, as chunked prefill needs.
+        table = span.block_table.to(torch.int32).unsqueeze(0)
+        lens = torch.tensor([span.context_len], dtype=torch.int32, device=q.device)
+        return self._attend(q.unsqueeze(0), kv, lens, table).squeeze(0)
 
 
 def flash_attn_available() -> bool:

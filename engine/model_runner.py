@@ -30,10 +30,9 @@ class ModelRunner:
             config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
-        slots = self.num_blocks * self.block_size
+        shape = self.attn.cache_shape(self.num_blocks)
         self.kv_caches = [
-            torch.zeros(2, slots, mc.num_kv_heads, mc.head_dim, dtype=config.torch_dtype, device=self.device)
-            for _ in range(mc.num_layers)
+            torch.zeros(shape, dtype=config.torch_dtype, device=self.device) for _ in range(mc.num_layers)
         ]
 
     @property

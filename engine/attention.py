@@ -212,6 +212,24 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1)
 
 
+class SdpaAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decode through ``F.scaled_dot_product_attention`` too.
+
+    The default on CUDA without flash-attn, where SDPA dispatches to fused kernels;
+    on CPU the explicit matmul-softmax of the torch backend is faster for decode.
+    """
+
+    name = "sdpa"
+
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b, group = q.shape[0], self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+        keys = self.gather(kv[0], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        values = self.gather(kv[1], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=~meta.decode_pad_mask, scale=self.scale)
+        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+
+
 class FlashAttnBackend(AttentionBackend):
     """CUDA only: flash-attn's paged KV kernel, cache ``[2, num_blocks, block_size, Hkv, D]``.
 
@@ -262,14 +280,19 @@ def flash_attn_available() -> bool:
 def select_backend(
     name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> AttentionBackend:
-    """``auto``: flash-attn's paged kernel on CUDA when importable and the block size allows, else torch."""
+    """``auto``: on CUDA flash-attn's paged kernel when importable and the block size allows, else SDPA;
+    on CPU the torch backend."""
     if name == "auto":
-        usable = device.type == "cuda" and flash_attn_available() and block_size % 256 == 0
-        name = "flash_attn" if usable else "torch"
+        if device.type != "cuda":
+            name = "torch"
+        else:
+            name = "flash_attn" if flash_attn_available() and block_size % 256 == 0 else "sdpa"
     if name == "flash_attn":
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend 'flash_attn' needs CUDA and the flash-attn package")
         return FlashAttnBackend(num_heads, num_kv_heads, head_dim, block_size)
-    if name in ("torch", "sdpa"):
+    if name == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    if name == "sdpa":
+        return SdpaAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, sdpa or flash_attn")

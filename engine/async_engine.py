@@ -84,7 +84,7 @@ class AsyncEngine:
         for request_id in list(self._sinks):
             self.engine.abort(request_id)
             sink, loop = self._sinks.pop(request_id)
-            loop.call_soon_threadsafe(sink.put_nowait, exc)
+            _send(sink, loop, exc)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
@@ -109,12 +109,21 @@ class AsyncEngine:
         try:
             self.engine.add_request(item.prompt, item.params, item.request_id, item.priority)
         except (ValueError, TypeError) as exc:
-            item.loop.call_soon_threadsafe(item.sink.put_nowait, exc)
+            _send(item.sink, item.loop, exc)
             return
         self._sinks[item.request_id] = (item.sink, item.loop)
 
     def _deliver(self, request_id: str, item: RequestOutput, last: bool) -> None:
         target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
-        if target is not None:
-            sink, loop = target
-            loop.call_soon_threadsafe(sink.put_nowait, item)
+        if target is not None and not _send(*target, item) and not last:
+            self._sinks.pop(request_id, None)  # the caller's event loop is gone: nobody is listening
+            self.engine.abort(request_id)
+
+
+def _send(sink: asyncio.Queue, loop: asyncio.AbstractEventLoop, item: object) -> bool:
+    """Hand an item to a caller's event loop; False if that loop has closed."""
+    try:
+        loop.call_soon_threadsafe(sink.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True

@@ -28,23 +28,37 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended together over one padded width.
+
+    Grouping by length keeps the padding each decode gathers and attends over
+    under 2x its own context, instead of padding every decode to the longest one.
+    """
+
+    token_index: torch.Tensor  # [n] positions in the step's token stream
+    blocks: torch.Tensor  # [n * max_blocks] block ids to read, row-major
+    pad_mask: torch.Tensor  # [1, n, 1, max_blocks * block_size] True on padding
+    block_table: torch.Tensor  # [n, max_blocks] int32, for kernels that read the cache directly
+    context_lens: torch.Tensor  # [n] int32
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
-    decode_token_index: torch.Tensor | None  # [num_decodes] positions in the step's token stream
-    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids to read, row-major
-    decode_pad_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size] True on padding
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    all_decode: bool = False  # every token is a decode, in stream order
-    # what the flash-attn backend needs
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
+    all_decode: bool = False  # one decode group covering the whole stream, in stream order
+
+
+MIN_DECODE_GROUP = 8
+_Decode = tuple[int, int, torch.Tensor]  # (position in the stream, context length, block ids)
 
 
 def build_metadata(
     spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
 ) -> AttentionMetadata:
     """Turn (num_computed_before, num_new, block_ids) per request into step metadata."""
-    slots, dec_index, dec_lens, dec_tables, prefills = [], [], [], [], []
+    slots, decodes, prefills = [], [], []
     start = 0
     for computed, new, block_ids in spans:
         blocks = torch.tensor(block_ids, dtype=torch.long)
@@ -52,23 +66,32 @@ def build_metadata(
         slots.append(blocks[positions // block_size] * block_size + positions % block_size)
         context = computed + new
         if new == 1:
-            dec_index.append(start)
-            dec_lens.append(context)
-            dec_tables.append(blocks)
+            decodes.append((start, context, blocks))
         else:
             prefills.append(_prefill_span(start, new, context, blocks, block_size, device))
         start += new
-    meta = AttentionMetadata(
+    groups = group_by_length(decodes)
+    return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
-        decode_token_index=None,
-        decode_blocks=None,
-        decode_pad_mask=None,
+        decodes=[_decode_group(g, block_size, device) for g in groups],
         prefills=prefills,
+        all_decode=not prefills and len(groups) == 1,
     )
-    if dec_index:
-        _add_decode_metadata(meta, dec_index, dec_lens, dec_tables, block_size, device)
-        meta.all_decode = not prefills
-    return meta
+
+
+def group_by_length(decodes: list[_Decode]) -> list[list[_Decode]]:
+    """Groups whose lengths lie within 2x of the group's longest, each of at least
+    MIN_DECODE_GROUP decodes (every group costs one more round of kernel launches)."""
+    if len(decodes) < 2 * MIN_DECODE_GROUP:
+        return [decodes] if decodes else []
+    groups: list[list[_Decode]] = [[]]
+    for d in sorted(decodes, key=lambda d: d[1], reverse=True):
+        if len(groups[-1]) >= MIN_DECODE_GROUP and d[1] * 2 < groups[-1][0][1]:
+            groups.append([])
+        groups[-1].append(d)
+    if len(groups) > 1 and len(groups[-1]) < MIN_DECODE_GROUP:
+        groups[-2].extend(groups.pop())
+    return groups if len(groups) > 1 else [decodes]
 
 
 def _prefill_span(
@@ -82,27 +105,22 @@ def _prefill_span(
     return PrefillSpan(start, new, context, ctx_blocks.to(device), mask.to(device), table)
 
 
-def _add_decode_metadata(
-    meta: AttentionMetadata,
-    index: list[int],
-    lens: list[int],
-    tables: list[torch.Tensor],
-    block_size: int,
-    device: torch.device,
-) -> None:
-    max_len = max(lens)
-    max_blocks = -(-max_len // block_size)
-    table = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = t[:max_blocks]
+def _decode_group(decodes: list[_Decode], block_size: int, device: torch.device) -> DecodeGroup:
+    lens = [d[1] for d in decodes]
+    max_blocks = -(-max(lens) // block_size)
+    table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+    for i, (_, _, blocks) in enumerate(decodes):
+        table[i, : len(blocks)] = blocks[:max_blocks]
     width = max_blocks * block_size
-    positions = torch.arange(width)
     lens_t = torch.tensor(lens)
-    meta.decode_token_index = torch.tensor(index, device=device)
-    meta.decode_blocks = table.flatten().to(device)
-    meta.decode_pad_mask = (positions[None, :] >= lens_t[:, None]).view(1, len(lens), 1, width).to(device)
-    meta.block_tables = table.to(device=device, dtype=torch.int32)
-    meta.context_lens = lens_t.to(device=device, dtype=torch.int32)
+    pad = (torch.arange(width)[None, :] >= lens_t[:, None]).view(1, len(lens), 1, width)
+    return DecodeGroup(
+        token_index=torch.tensor([d[0] for d in decodes], device=device),
+        blocks=table.flatten().to(device),
+        pad_mask=pad.to(device),
+        block_table=table.to(device=device, dtype=torch.int32),
+        context_lens=lens_t.to(device=device, dtype=torch.int32),
+    )
 
 
 class AttentionBackend:
@@ -130,10 +148,10 @@ class AttentionBackend:
         """q: [T, Hq, D], k/v: [T, Hkv, D], kv: this layer's cache. Returns [T, Hq * D]."""
         self.write(k, v, kv, meta.slot_mapping)
         if meta.all_decode:  # the common step: no scatter of partial results needed
-            return self.decode(q, kv, meta).reshape(q.shape[0], -1)
+            return self.decode(q, kv, meta.decodes[0]).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
-        if meta.decode_token_index is not None:
-            out[meta.decode_token_index] = self.decode(q[meta.decode_token_index], kv, meta)
+        for group in meta.decodes:
+            out[group.token_index] = self.decode(q[group.token_index], kv, group)
         for span in meta.prefills:
             sl = slice(span.start, span.start + span.length)
             out[sl] = self.prefill(q[sl], k[sl], v[sl], kv, span)
@@ -142,7 +160,7 @@ class AttentionBackend:
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         raise NotImplementedError
 
     def prefill(
@@ -181,14 +199,14 @@ class TorchAttentionBackend(AttentionBackend):
             torch.index_select(rows[head], 0, blocks, out=out[head])
         return out.view(self.num_kv_heads, -1, self.head_dim)
 
-    def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         # Grouped query heads become rows of one matmul per KV head: GQA needs no repeated K/V.
-        b, group = q.shape[0], self.num_heads // self.num_kv_heads
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
-        keys = self.gather(kv[0], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
-        values = self.gather(kv[1], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        b, per_kv = q.shape[0], self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, per_kv, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+        keys = self.gather(kv[0], group.blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        values = self.gather(kv[1], group.blocks).view(self.num_kv_heads, b, -1, self.head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scale)  # [Hkv, B, G, L]
-        scores.masked_fill_(meta.decode_pad_mask, float("-inf"))
+        scores.masked_fill_(group.pad_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
@@ -200,16 +218,17 @@ class TorchAttentionBackend(AttentionBackend):
             v = self.gather(kv[1], span.context_blocks)[:, : span.context_len]
         else:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
+        # 4-D inputs: with 3-D ones SDPA takes its slow math path on CPU.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k,
-            v,
+            q.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 class SdpaAttentionBackend(TorchAttentionBackend):
@@ -221,12 +240,12 @@ class SdpaAttentionBackend(TorchAttentionBackend):
 
     name = "sdpa"
 
-    def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b, group = q.shape[0], self.num_heads // self.num_kv_heads
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
-        keys = self.gather(kv[0], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
-        values = self.gather(kv[1], meta.decode_blocks).view(self.num_kv_heads, b, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=~meta.decode_pad_mask, scale=self.scale)
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        b, per_kv = q.shape[0], self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, per_kv, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+        keys = self.gather(kv[0], group.blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        values = self.gather(kv[1], group.blocks).view(self.num_kv_heads, b, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=~group.pad_mask, scale=self.scale)
         return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
 
@@ -257,8 +276,8 @@ class FlashAttnBackend(AttentionBackend):
         return self._kernel(q, kv[0], kv[1], cache_seqlens=lens, block_table=table,
                             softmax_scale=self.scale, causal=True)
 
-    def decode(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._attend(q.unsqueeze(1), kv, meta.context_lens, meta.block_tables).squeeze(1)
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        return self._attend(q.unsqueeze(1), kv, group.context_lens, group.block_table).squeeze(1)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan

@@ -76,3 +76,16 @@ def test_max_num_seqs_and_abort_everywhere():
     assert [r.request_id for r in s.running] == ["b"] and not s.waiting
     s.abort("b")
     assert kv.num_free_blocks == 100 and s.num_unfinished == 0
+
+
+def test_decodes_group_by_length_within_2x():
+    import torch
+
+    from engine.attention import MIN_DECODE_GROUP, group_by_length
+
+    decodes = [(i, n, torch.tensor([0])) for i, n in enumerate([700] * 8 + [400] * 8 + [300] * 8 + [100] * 3)]
+    groups = group_by_length(decodes)
+    assert [[d[1] for d in g] for g in groups] == [[700] * 8 + [400] * 8, [300] * 8 + [100] * 3]
+    assert all(len(g) >= MIN_DECODE_GROUP for g in groups)
+    few = decodes[:10]
+    assert group_by_length(few) == [few]  # too few to be worth a second group; stream order kept

@@ -38,7 +38,7 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: list membership must not compare token lists
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -13,11 +13,10 @@ def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
-    """Greedy continuation; stops after the model's EOS token, as the engine does without ignore_eos."""
+def _generate(model, prompt: list[int], max_new_tokens: int, **kwargs):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
@@ -25,21 +24,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[i
             pad_token_id=0,
             **kwargs,
         )
-    return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """Greedy continuation; stops after the model's EOS token, as the engine does without ignore_eos."""
+    return _generate(model, prompt, max_new_tokens, **kwargs)[0, len(prompt) :].tolist()
 
 
 def hf_greedy_logprobs(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the raw log-softmax of the logits at every generated position."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+    out = _generate(model, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]

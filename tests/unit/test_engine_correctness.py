@@ -25,6 +25,23 @@ def run_engine(
     return outs
 
 
+def top5_logprobs(engine: Engine, prompt: list[int], params: SamplingParams) -> list:
+    rid = engine.add_request(prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]
+    return steps
+
+
+def assert_logprobs_match(steps: list, tokens: list[int], reference: list[torch.Tensor]) -> None:
+    """Same greedy tokens, same top-5 ids, top-5 logprobs within 1e-3 (float32)."""
+    assert [s.token_id for s in steps] == tokens
+    for step, ref_lp in zip(steps, reference, strict=True):
+        ref_vals, ref_ids = ref_lp.topk(5)
+        assert [t for t, _ in step.top] == ref_ids.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in step.top]), ref_vals, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["llama", "llama-mha-tied", "qwen2", "mistral"])
 def test_tiny_greedy_matches_transformers(tiny_models, name):
     path = tiny_models[name]
@@ -57,17 +74,9 @@ def test_tiny_chunked_prefill_and_preemption_match(tiny_llama):
 def test_tiny_logprobs_match_transformers(tiny_llama):
     prompt = mixed_prompts(1, 256, 12, 12, seed=2)[0]
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=16)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True))
-    steps = []
-    while engine.has_unfinished():
-        steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]
-    tokens, ref = hf_greedy_logprobs(load_hf(tiny_llama), prompt, 6)
-    assert [s.token_id for s in steps] == tokens
-    for step, ref_lp in zip(steps, ref, strict=True):
-        ref_vals, ref_ids = ref_lp.topk(5)
-        assert [t for t, _ in step.top] == ref_ids.tolist()
-        assert torch.allclose(torch.tensor([v for _, v in step.top]), ref_vals, atol=1e-3)
-        assert step.rank == 1 and abs(step.logprob - ref_vals[0].item()) < 1e-3
+    steps = top5_logprobs(engine, prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True))
+    assert_logprobs_match(steps, *hf_greedy_logprobs(load_hf(tiny_llama), prompt, 6))
+    assert all(s.rank == 1 and abs(s.logprob - s.top[0][1]) < 1e-6 for s in steps)
 
 
 def test_bfloat16_agrees_with_float32_on_first_token(tiny_llama):
@@ -104,16 +113,8 @@ def test_default_model_logprobs_match_transformers(default_model):
 
     prompt = TextTokenizer(default_model).encode_chat([{"role": "user", "content": "Name a color."}])
     engine = Engine.from_model(str(default_model), kv_cache_gb=0.1)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=5))
-    steps = []
-    while engine.has_unfinished():
-        steps += [lp for out in engine.step() if out.request_id == rid for lp in out.new_logprobs]
-    tokens, ref = hf_greedy_logprobs(load_hf(default_model), prompt, 4)
-    assert [s.token_id for s in steps] == tokens
-    for step, ref_lp in zip(steps, ref, strict=True):
-        ref_vals, ref_ids = ref_lp.topk(5)
-        assert [t for t, _ in step.top] == ref_ids.tolist()
-        assert torch.allclose(torch.tensor([v for _, v in step.top]), ref_vals, atol=1e-3)
+    steps = top5_logprobs(engine, prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=5))
+    assert_logprobs_match(steps, *hf_greedy_logprobs(load_hf(default_model), prompt, 4))
 
 
 @pytest.mark.parametrize("dtype, atol, steps", [("float32", 1e-4, 6), ("bfloat16", 0.05, 2)])

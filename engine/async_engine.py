@@ -78,7 +78,7 @@ class AsyncEngine:
                 self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out, out.finished)
+                self._deliver(out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._sinks):
@@ -113,11 +113,12 @@ class AsyncEngine:
             return
         self._sinks[item.request_id] = (item.sink, item.loop)
 
-    def _deliver(self, request_id: str, item: RequestOutput, last: bool) -> None:
-        target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
-        if target is not None and not _send(*target, item) and not last:
-            self._sinks.pop(request_id, None)  # the caller's event loop is gone: nobody is listening
-            self.engine.abort(request_id)
+    def _deliver(self, item: RequestOutput) -> None:
+        rid = item.request_id
+        target = self._sinks.pop(rid, None) if item.finished else self._sinks.get(rid)
+        if target is not None and not _send(*target, item) and not item.finished:
+            self._sinks.pop(rid, None)  # the caller's event loop is gone: nobody is listening
+            self.engine.abort(rid)
 
 
 def _send(sink: asyncio.Queue, loop: asyncio.AbstractEventLoop, item: object) -> bool:

@@ -160,6 +160,14 @@ class AttentionBackend:
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def read_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of one layer in the wire layout ``[n, 2, block_size, Hkv, D]`` (a view or a copy)."""
+        raise NotImplementedError
+
+    def write_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """The inverse of ``read_blocks``: ``data`` is ``[n, 2, block_size, Hkv, D]``."""
+        raise NotImplementedError
+
     def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         raise NotImplementedError
 
@@ -186,6 +194,19 @@ class TorchAttentionBackend(AttentionBackend):
     def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
         kv[0].index_copy_(1, slots, k.transpose(0, 1))
         kv[1].index_copy_(1, slots, v.transpose(0, 1))
+
+    def _block_slots(self, block_ids: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.block_size, device=block_ids.device)
+        return (block_ids[:, None] * self.block_size + offsets).flatten()
+
+    def read_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        n = block_ids.shape[0]
+        x = kv.index_select(2, self._block_slots(block_ids))  # [2, Hkv, n * bs, D]
+        return x.view(2, self.num_kv_heads, n, self.block_size, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def write_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        rows = data.permute(1, 3, 0, 2, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
+        kv.index_copy_(2, self._block_slots(block_ids), rows)
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[n] block ids -> [Hkv, n * block_size, D] from one K or V cache.
@@ -271,6 +292,12 @@ class FlashAttnBackend(AttentionBackend):
         flat = (-1, self.num_kv_heads, self.head_dim)
         kv[0].view(flat).index_copy_(0, slots, k)
         kv[1].view(flat).index_copy_(0, slots, v)
+
+    def read_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        return kv[:, block_ids].transpose(0, 1)
+
+    def write_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        kv.index_copy_(1, block_ids, data.transpose(0, 1))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return self._kernel(q, kv[0], kv[1], cache_seqlens=lens, block_table=table,

@@ -15,6 +15,8 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ROLES = ("both", "producer", "consumer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,6 +150,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, ties by arrival)
+    role: str = "both"  # "both" (aggregated), "producer" (prefill only) or "consumer" (decode only)
     attention_backend: str = "auto"  # "auto", "torch", "sdpa", "flash_attn"
     num_threads: int | None = None
     seed: int = 0
@@ -160,6 +165,12 @@ class EngineConfig:
             raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,10 @@
-"""The engine: ``add_request`` / ``step`` / ``abort``; a step is schedule -> forward -> update."""
+"""The engine: ``add_request`` / ``step`` / ``abort``; a step is schedule -> forward -> update.
+
+The role decides where a request's life ends: ``both`` runs it to its stop
+condition; ``producer`` stops after the first token, having handed the prompt's
+blocks to the KV connector; ``consumer`` (or any role, given
+``num_external_tokens``) starts from KV loaded through the connector.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +14,61 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.block_pool import KVCacheManager
+from engine.block_hash import model_fingerprint
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_transfer import KVConnector, LoadResult
+from engine.loader import weights_id
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import KVLoad, ScheduledRequest, Scheduler
+from engine.stats import EngineStats
 
 
 class Engine:
     """Runs continuous batching over one model; not thread-safe (see ``AsyncEngine``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = config.model_config
         self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.fingerprint = model_fingerprint(
+            self.model_config.to_dict(),
+            config.dtype,
+            config.block_size,
+            weights_id(config.model, config.load_format, config.seed),
+        )
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.fingerprint
+        )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.scheduling_policy,
         )
         self.sampler = Sampler(config.seed)
+        self.connector = kv_connector
+        self.stats = EngineStats(prefix_cache=self.kv.stats)
+        self._loads: dict[str, KVLoad] = {}
         self._ids = itertools.count()
 
     @classmethod
-    def from_model(cls, model: str, **kwargs) -> Engine:
-        return cls(EngineConfig(model=model, **kwargs))
+    def from_model(cls, model: str, kv_connector: KVConnector | None = None, **kwargs) -> Engine:
+        return cls(EngineConfig(model=model, **kwargs), kv_connector)
+
+    @property
+    def role(self) -> str:
+        return self.config.role
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached prefixes included: they are reusable on demand)."""
         return self.kv.num_free_blocks
 
     @property
@@ -48,22 +78,41 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def only_loading(self) -> bool:
+        """Every unfinished request waits for its KV to arrive: a step now would compute nothing."""
+        s = self.scheduler
+        return bool(s.loading) and not s.running and not s.waiting
+
     def add_request(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        output_token_ids: list[int] | None = None,
+        num_external_tokens: int = 0,
     ) -> str:
-        """Validate and queue; raises ValueError with the reason on bad input."""
+        """Validate and queue; raises ValueError with the reason on bad input.
+
+        ``output_token_ids``: tokens already generated elsewhere (e.g. the first
+        token a producer sampled); they are not streamed again.
+        ``num_external_tokens``: how many leading tokens of prompt + those outputs
+        have their KV loaded through the connector instead of computed here.
+        """
         params = params or SamplingParams()
+        outputs = list(output_token_ids or [])
         self._validate(prompt_token_ids, params)
+        self._validate_handoff(prompt_token_ids, outputs, params, num_external_tokens)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        request = Request(request_id, list(prompt_token_ids), params, eos, priority)
+        request = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt)
+        request.output_token_ids = outputs
+        request.num_external_tokens = num_external_tokens
         self.scheduler.add(request)
         return request_id
-
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -84,18 +133,84 @@ class Engine:
                 f"({self.runner.num_blocks} blocks of {self.config.block_size})"
             )
 
+    def _validate_handoff(
+        self, prompt: list[int], outputs: list[int], params: SamplingParams, num_external: int
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in outputs):
+            raise ValueError(f"output token ids must be integers in [0, {vocab})")
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"{len(outputs)} tokens already generated: nothing left within max_tokens")
+        if not isinstance(num_external, int) or not 0 <= num_external < len(prompt) + len(outputs):
+            raise ValueError(
+                "num_external_tokens must be in [0, prompt + generated tokens - 1]: at least the last "
+                f"token is computed here, got {num_external}"
+            )
+        if num_external and self.connector is None:
+            raise ValueError("num_external_tokens needs a KV connector, and this engine has none")
+
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds, wherever it is; False if it is unknown or finished."""
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes no request holds (e.g. after the weights changed); how many."""
+        return self.kv.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self._apply_loads()
         sched = self.scheduler.schedule()
+        self._start_loads(sched.loads)
+        self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched:
+            self.stats.last_step_overhead_s = time.perf_counter() - t0
             return []
+        t1 = time.perf_counter()
         logits = self.runner.execute(sched)
         sampling = [s for s in sched.scheduled if s.samples]
         tokens, logprobs = self.sampler.sample(logits, [s.request for s in sampling])
-        return self._update(sched.scheduled, sampling, tokens, logprobs)
+        t2 = time.perf_counter()
+        outputs = self._update(sched.scheduled, sampling, tokens, logprobs)
+        self.stats.num_steps += 1
+        self.stats.last_step_overhead_s = (t1 - t0) + (time.perf_counter() - t2)
+        return outputs
+
+    def _start_loads(self, loads: list[KVLoad]) -> None:
+        for load in loads:
+            r = load.request
+            self.kv.update_hashes(r, r.num_external_tokens)  # full blocks are found by key
+            self._loads[r.request_id] = load
+            self.connector.start_load(r, load.first_block, load.num_blocks)
+
+    def _apply_loads(self) -> None:
+        """Write finished loads into the cache; a failed load falls back to recomputation."""
+        if self.connector is None or not self._loads:
+            return
+        for result in self.connector.poll_loads():
+            load = self._loads.pop(result.request_id, None)
+            if load is None or load.request.status is not RequestStatus.WAITING_FOR_KV:
+                continue  # aborted while loading
+            self._apply_load(load, result)
+
+    def _apply_load(self, load: KVLoad, result: LoadResult) -> None:
+        r = load.request
+        if result.data is not None:
+            try:
+                ids = r.block_ids[load.first_block : load.first_block + load.num_blocks]
+                self.runner.import_blocks(ids, result.data)
+            except ValueError as exc:
+                result.error = str(exc)
+        if result.error is not None:
+            self.stats.kv_load_failures += 1
+            self.scheduler.requeue_for_recompute(r)
+            return
+        self.stats.kv_blocks_loaded += load.num_blocks
+        self.scheduler.finish_load(r)
 
     def _update(
         self,
@@ -105,31 +220,63 @@ class Engine:
         logprobs: list[TokenLogprobs | None],
     ) -> list[RequestOutput]:
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                self.stats.prompt_tokens_computed += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+            r.num_computed_tokens += s.num_tokens
+            self.kv.cache_computed_blocks(r)
+            if self.role == "producer" and self.connector is not None:
+                self._save_final_blocks(r)
         now = time.monotonic()
         outputs = []
         for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
             r = s.request
             r.output_token_ids.append(token)
+            self.stats.generation_tokens += 1
             if lp is not None:
                 r.output_logprobs.append(lp)
             if r.first_token_time is None:
                 r.first_token_time = now
             status = self._stop_status(r, token)
+            if status is None and self.role == "producer":
+                status = RequestStatus.FINISHED_PREFILLED
             if status is not None:
-                self.scheduler.finish(r, status)
-            outputs.append(
-                RequestOutput(
-                    r.request_id,
-                    [token],
-                    [lp] if lp is not None else [],
-                    r.status.finished,
-                    r.status.finish_reason,
-                    r.num_prompt_tokens,
-                    r.num_output_tokens,
-                )
-            )
+                self._finish(r, status)
+            outputs.append(self._output(r, token, lp))
         return outputs
+
+    def _output(self, r: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        return RequestOutput(
+            r.request_id,
+            [token],
+            [lp] if lp is not None else [],
+            r.status.finished,
+            r.status.finish_reason,
+            r.num_prompt_tokens,
+            r.num_output_tokens,
+            r.num_cached_tokens,
+            r.error,
+        )
+
+    def _save_final_blocks(self, r: Request) -> None:
+        """Hand the connector the prompt blocks that became final this step."""
+        computed = min(r.num_computed_tokens, r.num_prompt_tokens)
+        done = computed == r.num_prompt_tokens
+        end = cdiv(computed, self.config.block_size) if done else computed // self.config.block_size
+        if end <= r.num_saved_blocks:
+            return
+        self.kv.update_hashes(r, computed)
+        keys = [r.block_hashes[i] if i < len(r.block_hashes) else None for i in range(r.num_saved_blocks, end)]
+        data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
+        self.connector.save_blocks(r, r.num_saved_blocks, keys, data)
+        self.stats.kv_blocks_saved += end - r.num_saved_blocks
+        r.num_saved_blocks = end
+
+    def _finish(self, r: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(r, status)
+        self._loads.pop(r.request_id, None)
+        if self.connector is not None:
+            self.connector.request_finished(r)
 
     def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
         if token in r.eos_token_ids or token in r.params.stop_token_ids:

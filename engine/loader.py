@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.block_hash import weights_digest
 from engine.config import ModelConfig
 from engine.model import LayerWeights, LlamaModel
 
@@ -112,3 +113,10 @@ def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int) -> Getter:
         return t.normal_(0.0, 0.02, generator=gen).to(dtype)
 
     return get
+
+
+def weights_id(model_dir: str | Path, load_format: str = "auto", seed: int = 0) -> str:
+    """What tells these weights apart from others of the same shape: part of the model fingerprint."""
+    if load_format == "dummy":
+        return f"dummy:{seed}"
+    return weights_digest(sorted(Path(model_dir).glob("*.safetensors")))

@@ -13,11 +13,14 @@ class RequestStatus(enum.IntEnum):
     """Ordered so that ``status > RUNNING`` means finished."""
 
     WAITING = 0
-    PREEMPTED = 1
-    RUNNING = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_KV = 1  # blocks allocated, its KV is being loaded from outside (consumer role)
+    PREEMPTED = 2
+    RUNNING = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_PREFILLED = 7  # producer role: first token sampled, the KV handed out for decode elsewhere
+    FINISHED_ERROR = 8  # e.g. its KV could not be loaded
 
     @property
     def finished(self) -> bool:
@@ -25,7 +28,16 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 @dataclass(slots=True)
@@ -45,7 +57,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # set by the scheduler: breaks ties between equal priorities, by arrival
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -53,6 +67,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_token_time: float | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of its full blocks, in order
+    num_cached_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_external_tokens: int = 0  # leading tokens whose KV is loaded from outside (consumer role)
+    num_saved_blocks: int = 0  # leading blocks handed to the KV connector (producer role)
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,3 +110,5 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -2,18 +2,25 @@
 
 Every step the scheduler hands each running request the tokens it still has to
 compute (1 for a decode, a chunk of the prompt for a prefill) within the step's
-token budget, then admits waiting requests while budget, sequence slots and KV
-blocks last. When blocks run out, the newest running request is preempted
-(blocks freed, recomputed later); no request is ever dropped.
+token budget, then admits waiting requests, in the order of the policy, while
+budget, sequence slots and KV blocks last. An admitted request starts after the
+longest prefix the cache holds. When blocks run out, the running request the
+policy ranks last is preempted (blocks freed, recomputed later); no request is
+ever dropped.
+
+A request whose leading KV comes from outside (consumer role) is admitted into
+``loading`` with blocks for that KV; it joins ``running`` once the engine has
+loaded them (``finish_load``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
-from engine.block_pool import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
+from engine.request_queue import make_queue
 
 
 @dataclass(slots=True)
@@ -28,13 +35,30 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class KVLoad:
+    """Blocks ``first_block ...`` of ``request.block_ids`` to fill from outside, ``num_blocks`` of them."""
+
+    request: Request
+    first_block: int
+    num_blocks: int
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+    num_tokens: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled.append(ScheduledRequest(request, num_tokens))
+        self.num_tokens += num_tokens
+
+    def drop(self, request: Request) -> None:
+        kept = [s for s in self.scheduled if s.request is not request]
+        if len(kept) != len(self.scheduled):
+            self.scheduled = kept
+            self.num_tokens = sum(s.num_tokens for s in kept)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -47,15 +71,22 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(policy)
         self.running: list[Request] = []
+        self.loading: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._seq = itertools.count()
+
+    @property
+    def policy(self) -> str:
+        return self.waiting.policy
 
     @property
     def num_unfinished(self) -> int:
@@ -64,18 +95,22 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_seq = next(self._seq)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out)
-        self._schedule_waiting(out, budget)
+        self._schedule_running(out)
+        self._schedule_waiting(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> int:
+    def _schedule_running(self, out: SchedulerOutput) -> None:
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        if self.policy == "priority":
+            decoding.sort(key=lambda r: (r.priority, r.arrival_seq))
+            prefilling.sort(key=lambda r: (r.priority, r.arrival_seq))
         for request in decoding + prefilling:
             budget = self.max_num_batched_tokens - out.num_tokens  # a preemption gives budget back
             if budget == 0:
@@ -85,13 +120,12 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, n, out):
                 continue
-            out.scheduled.append(ScheduledRequest(request, n))
-        return self.max_num_batched_tokens - out.num_tokens
+            out.add(request, n)
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Allocate for ``request``, preempting the newest others; False if it preempted itself."""
+        """Allocate for ``request``, preempting others as the policy ranks them; False if it preempted itself."""
         while not self.kv.allocate_slots(request, n):
-            victim = self.running[-1]
+            victim = self.waiting.victim(self.running)
             self._preempt(victim, out)
             if victim is request:
                 return False
@@ -99,40 +133,107 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        out.drop(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_external_tokens = 0  # resumed by recomputation
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_preempted(request)
         out.preempted.append(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
         preempted_now = {id(r) for r in out.preempted}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        while self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
+            request = self.waiting.peek()
             if id(request) in preempted_now:
                 break  # do not re-admit what this step just evicted
-            remaining = request.num_tokens - request.num_computed_tokens
+            if request.num_external_tokens:
+                if not self._admit_load(request, out):
+                    break
+                continue
+            n = self._admit_compute(request, out)
+            if n == 0:
+                break
+            out.add(request, n)
+
+    def _admit_compute(self, request: Request, out: SchedulerOutput) -> int:
+        """Admit into ``running`` after the cached prefix; the tokens scheduled, 0 if it must wait.
+
+        Under the priority policy a request that does not fit preempts running
+        requests of lower priority (higher value) until it does.
+        """
+        reusable = request.num_tokens - 1  # at least one token is computed, to sample from
+        while True:
+            budget = self.max_num_batched_tokens - out.num_tokens
+            remaining = request.num_tokens - self.kv.cached_prefix_tokens(request, reusable)
             n = min(remaining, budget)
-            if n < remaining and not self.enable_chunked_prefill:
+            if n == 0 or (n < remaining and not self.enable_chunked_prefill):
+                return 0
+            if self.kv.admit(request, n, reusable):
                 break
-            if not self.kv.allocate_slots(request, n):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n))
-            budget -= n
+            if not self._preempt_lower_priority(request, out):
+                return 0
+        request.num_cached_tokens = request.num_computed_tokens
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return n
+
+    def _preempt_lower_priority(self, request: Request, out: SchedulerOutput) -> bool:
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self.waiting.victim(self.running)
+        if (victim.priority, victim.arrival_seq) <= (request.priority, request.arrival_seq):
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _admit_load(self, request: Request, out: SchedulerOutput) -> bool:
+        """Admit into ``loading``: blocks for the external KV, minus what the local cache holds."""
+        external = request.num_external_tokens
+        cached = self.kv.cached_prefix_tokens(request, external)
+        if not self.kv.admit(request, external - cached, external):
+            return False
+        request.num_cached_tokens = request.num_computed_tokens
+        self.waiting.pop()
+        first = request.num_computed_tokens // self.kv.block_size
+        num_blocks = cdiv(external, self.kv.block_size) - first
+        if num_blocks == 0:
+            self.finish_load(request)  # all of it was cached here already
+            return True
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading.append(request)
+        out.loads.append(KVLoad(request, first, num_blocks))
+        return True
+
+    def finish_load(self, request: Request) -> None:
+        """The request's external KV is in its blocks: it computes from there on."""
+        if request.status is RequestStatus.WAITING_FOR_KV:
+            self.loading.remove(request)
+        request.num_computed_tokens = request.num_external_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue_for_recompute(self, request: Request) -> None:
+        """Its KV could not be loaded: it gives its blocks back and computes everything itself."""
+        self.loading.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_external_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.push_preempted(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of every queue and give its blocks back."""
-        request.status = status
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            self.loading.remove(request)
+        elif not request.status.finished:
             self.waiting.remove(request)
+        request.status = status
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVCacheManager
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -17,18 +18,18 @@ def test_pool_allocates_in_order_and_refuses_without_taking():
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.allocate(2) is None and pool.num_free_blocks == 1
     pool.free([2, 1])
-    assert pool.allocate(3) == [3, 2, 1]  # oldest freed first
+    assert pool.allocate(3) == [2, 1, 3]  # blocks holding nothing cached are reused first, in free order
 
 
 def test_requests_free_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
     r = req("a", 10)
     assert kv.allocate_slots(r, 10) and r.block_ids == [0, 1, 2]
     r.num_computed_tokens = 10
     assert kv.allocate_slots(r, 2) and r.block_ids == [0, 1, 2]  # still fits in block 2
     assert kv.allocate_slots(r, 3) and r.block_ids == [0, 1, 2, 3]
     kv.free(r)
-    assert kv.pool.allocate(6) == [4, 5, 3, 2, 1, 0]
+    assert kv.pool.allocate(6) == [3, 2, 1, 0, 4, 5]
 
 
 def test_decode_first_then_prefill_within_token_budget():
@@ -62,7 +63,7 @@ def test_preempts_newest_and_requeues_it_first():
     out = s.schedule()  # both need a third block; only 0 free: b is preempted for a
     assert [x.request.request_id for x in out.scheduled] == ["a"]
     assert out.preempted == [b] and b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert s.waiting[0] is b and kv.num_free_blocks == 1
+    assert s.waiting.peek() is b and kv.num_free_blocks == 1
 
 
 def test_max_num_seqs_and_abort_everywhere():

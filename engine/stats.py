@@ -1,0 +1,20 @@
+"""Counters an engine keeps about itself, for metrics and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import PrefixCacheStats
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache hits excluded)
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    kv_blocks_saved: int = 0
+    kv_blocks_loaded: int = 0
+    kv_load_failures: int = 0  # loads that failed and were recomputed instead
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    last_step_overhead_s: float = 0.0  # scheduling and bookkeeping of the last step, the model excluded

@@ -7,11 +7,14 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.engine import Engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+
+LOAD_POLL_S = 0.001
 
 
 @dataclass(slots=True)
@@ -22,6 +25,7 @@ class _Add:
     priority: int
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    extra: dict[str, Any] = field(default_factory=dict)  # cache_salt, output_token_ids, num_external_tokens
 
 
 @dataclass(slots=True)
@@ -38,12 +42,16 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0, **extra: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; a ValueError from validation is raised here; cancelling aborts."""
+        """Stream outputs; a ValueError from validation is raised here; cancelling aborts.
+
+        ``extra`` goes to ``Engine.add_request`` (``cache_salt``, ``output_token_ids``,
+        ``num_external_tokens``).
+        """
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(prompt, params, request_id, priority, sink, loop))
+        self._inbox.put(_Add(prompt, params, request_id, priority, sink, loop, extra))
         finished = False
         try:
             while True:
@@ -68,7 +76,9 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
-            if not self._drain_inbox(block):
+            # Requests waiting only for KV loads: poll the loads without spinning the CPU.
+            timeout = LOAD_POLL_S if self.engine.only_loading() else None
+            if not self._drain_inbox(block or timeout is not None, timeout):
                 return
             if not self.engine.has_unfinished():
                 continue
@@ -86,10 +96,10 @@ class AsyncEngine:
             sink, loop = self._sinks.pop(request_id)
             _send(sink, loop, exc)
 
-    def _drain_inbox(self, block: bool) -> bool:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
         try:
-            item = self._inbox.get(block=block)
+            item = self._inbox.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         while True:
@@ -107,7 +117,7 @@ class AsyncEngine:
             self._sinks.pop(item.request_id, None)
             return
         try:
-            self.engine.add_request(item.prompt, item.params, item.request_id, item.priority)
+            self.engine.add_request(item.prompt, item.params, item.request_id, item.priority, **item.extra)
         except (ValueError, TypeError) as exc:
             _send(item.sink, item.loop, exc)
             return

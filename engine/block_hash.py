@@ -84,7 +84,8 @@ def weights_digest(files: Iterable[Path]) -> str:
         with path.open("rb") as f:
             header_len = struct.unpack("<Q", f.read(8))[0] if size >= 8 else 0
             h.update(f.read(min(header_len, size - 8)))
-            for i in range(_SAMPLES_PER_FILE):
-                f.seek(size * i // _SAMPLES_PER_FILE)
+            offsets = [size * i // _SAMPLES_PER_FILE for i in range(_SAMPLES_PER_FILE)]
+            for offset in [*offsets, max(0, size - _SAMPLE_BYTES)]:  # the tail too: often the last layer
+                f.seek(offset)
                 h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()

@@ -170,9 +170,9 @@ class Engine:
         if not sched:
             self.stats.last_step_overhead_s = time.perf_counter() - t0
             return []
+        sampling = [s for s in sched.scheduled if s.samples]
         t1 = time.perf_counter()
         logits = self.runner.execute(sched)
-        sampling = [s for s in sched.scheduled if s.samples]
         tokens, logprobs = self.sampler.sample(logits, [s.request for s in sampling])
         t2 = time.perf_counter()
         outputs = self._update(sched.scheduled, sampling, tokens, logprobs)
@@ -219,44 +219,51 @@ class Engine:
         tokens: list[int],
         logprobs: list[TokenLogprobs | None],
     ) -> list[RequestOutput]:
+        bs, producer = self.config.block_size, self.role == "producer"
+        saves = producer and self.connector is not None
         for s in scheduled:
             r = s.request
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += min(s.num_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-            r.num_computed_tokens += s.num_tokens
-            self.kv.cache_computed_blocks(r)
-            if self.role == "producer" and self.connector is not None:
+            computed = r.num_computed_tokens
+            if computed < len(r.prompt_token_ids):
+                self.stats.prompt_tokens_computed += min(s.num_tokens, len(r.prompt_token_ids) - computed)
+            r.num_computed_tokens = computed = computed + s.num_tokens
+            if computed // bs > r.num_cached_blocks:
+                self.kv.cache_computed_blocks(r)
+            if saves:
                 self._save_final_blocks(r)
+        self.stats.generation_tokens += len(sampling)
         now = time.monotonic()
+        max_len, running = self.config.max_model_len, RequestStatus.RUNNING
         outputs = []
         for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
             r = s.request
             r.output_token_ids.append(token)
-            self.stats.generation_tokens += 1
             if lp is not None:
                 r.output_logprobs.append(lp)
             if r.first_token_time is None:
                 r.first_token_time = now
-            status = self._stop_status(r, token)
-            if status is None and self.role == "producer":
-                status = RequestStatus.FINISHED_PREFILLED
-            if status is not None:
-                self._finish(r, status)
-            outputs.append(self._output(r, token, lp))
+            n_out, params = len(r.output_token_ids), r.params
+            if token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
+                self._finish(r, RequestStatus.FINISHED_STOPPED)
+            elif n_out >= params.max_tokens or n_out + len(r.prompt_token_ids) >= max_len:
+                self._finish(r, RequestStatus.FINISHED_LENGTH)
+            elif producer:
+                self._finish(r, RequestStatus.FINISHED_PREFILLED)
+            finished = r.status > running
+            outputs.append(
+                RequestOutput(
+                    r.request_id,
+                    [token],
+                    [lp] if lp is not None else [],
+                    finished,
+                    r.status.finish_reason if finished else None,
+                    len(r.prompt_token_ids),
+                    n_out,
+                    r.num_cached_tokens,
+                    r.error,
+                )
+            )
         return outputs
-
-    def _output(self, r: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        return RequestOutput(
-            r.request_id,
-            [token],
-            [lp] if lp is not None else [],
-            r.status.finished,
-            r.status.finish_reason,
-            r.num_prompt_tokens,
-            r.num_output_tokens,
-            r.num_cached_tokens,
-            r.error,
-        )
 
     def _save_final_blocks(self, r: Request) -> None:
         """Hand the connector the prompt blocks that became final this step."""
@@ -277,13 +284,6 @@ class Engine:
         self._loads.pop(r.request_id, None)
         if self.connector is not None:
             self.connector.request_finished(r)
-
-    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
-        if token in r.eos_token_ids or token in r.params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if r.num_output_tokens >= r.params.max_tokens or r.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams] | None = None

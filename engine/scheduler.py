@@ -27,11 +27,7 @@ from engine.request_queue import make_queue
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for it this step
-
-    @property
-    def samples(self) -> bool:
-        """A request samples when this step reaches the end of its known tokens."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    samples: bool  # the step reaches the end of its known tokens, so it samples the next one
 
 
 @dataclass(slots=True)
@@ -51,7 +47,8 @@ class SchedulerOutput:
     num_tokens: int = 0
 
     def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append(ScheduledRequest(request, num_tokens))
+        samples = request.num_computed_tokens + num_tokens == request.num_tokens
+        self.scheduled.append(ScheduledRequest(request, num_tokens, samples))
         self.num_tokens += num_tokens
 
     def drop(self, request: Request) -> None:
@@ -106,21 +103,38 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        # The hot loop of every step: with hundreds of decodes it must stay well under a millisecond,
+        # so a decode whose next token fits in its last block skips the block manager altogether.
+        decoding, prefilling = [], []
+        for r in self.running:
+            (decoding if r.num_computed_tokens >= len(r.prompt_token_ids) else prefilling).append(r)
         if self.policy == "priority":
             decoding.sort(key=lambda r: (r.priority, r.arrival_seq))
             prefilling.sort(key=lambda r: (r.priority, r.arrival_seq))
-        for request in decoding + prefilling:
-            budget = self.max_num_batched_tokens - out.num_tokens  # a preemption gives budget back
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
+        bs, limit, running = self.kv.block_size, self.max_num_batched_tokens, RequestStatus.RUNNING
+        for request in decoding:
+            if out.num_tokens == limit:
+                return
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, n, out):
+            computed = request.num_computed_tokens
+            n = len(request.prompt_token_ids) + len(request.output_token_ids) - computed  # 1 but after a handoff
+            if n == 1 and computed < len(request.block_ids) * bs:
+                out.scheduled.append(ScheduledRequest(request, 1, True))
+                out.num_tokens += 1
                 continue
-            out.add(request, n)
+            n = min(n, limit - out.num_tokens)
+            if self._allocate_or_preempt(request, n, out):
+                out.add(request, n)
+        for request in prefilling:
+            budget = limit - out.num_tokens  # a preemption gives budget back
+            if budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, n, out):
+                out.add(request, n)
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for ``request``, preempting others as the policy ranks them; False if it preempted itself."""

@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=env_default("--max-num-seqs", 256))
     g.add_argument("--max-num-batched-tokens", type=int, default=env_default("--max-num-batched-tokens", 2048))
     g.add_argument("--max-model-len", type=int, default=env_default("--max-model-len", None, int))
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env_default("--enable-prefix-caching", True, bool))
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=env_default("--enable-chunked-prefill", True, bool))
+    g.add_argument("--scheduling-policy", default=env_default("--scheduling-policy", "fcfs"),
+                   choices=["fcfs", "priority"], help="priority: lower value first, ties by arrival")
     g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"),
                    choices=["auto", "torch", "sdpa", "flash_attn"])
     g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
@@ -40,6 +46,9 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
     )

@@ -42,6 +42,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (tandem figures only)")
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--scenarios", default="throughput,prefix-cache,chunked-prefill,scheduler",
+                   help="comma-separated: throughput (against transformers), prefix-cache, chunked-prefill, scheduler")
+    p.add_argument("--chunk-budget", type=int, default=256,
+                   help="token budget per step of the chunked side of the chunked-prefill scenario")
 
 
 def make_workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int) -> Workload:
@@ -163,7 +167,8 @@ def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt
 
 def run(args: argparse.Namespace) -> int:
     from engine import ModelConfig
-    from tandem.cli import resolve_model
+    from tandem.bench.scheduling import SCENARIOS, format_scenarios, run_scenarios
+    from tandem.cli import engine_config, resolve_model
 
     threads = args.num_threads or torch.get_num_threads()
     args.num_threads = threads
@@ -173,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
     bw = read_bandwidth_gbps(threads)
     print(f"read bandwidth {bw:.1f} GB/s ({threads} threads); {args.num_requests} requests, "
           f"{work.num_output_tokens} output tokens", file=sys.stderr)
+    names = [n for n in args.scenarios.split(",") if n]
+    unknown = set(names) - {"throughput", *SCENARIOS}
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from throughput, {', '.join(SCENARIOS)}")
     rows = []
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes.split(",") if "throughput" in names else []:
         row = bench_dtype(args, dtype, work, single_prompt)
         row["roofline_decode_tok_s"] = bw * 1e9 / row["weight_bytes"]
         row["single_fraction_of_roofline"] = row["tandem_single_decode_tok_s"] / row["roofline_decode_tok_s"]
@@ -183,8 +192,12 @@ def run(args: argparse.Namespace) -> int:
             row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
         rows.append(row)
         print(f"  done {dtype}: {json.dumps(row)}", file=sys.stderr)
-    print(format_table(rows, bw))
-    write_json(args, rows, bw)
+    scenarios = run_scenarios(args, engine_config(args), [n for n in names if n != "throughput"])
+    if rows:
+        print(format_table(rows, bw))
+    if scenarios:
+        print(format_scenarios(scenarios))
+    write_json(args, rows, bw, scenarios)
     return 0
 
 
@@ -214,13 +227,14 @@ def format_table(rows: list[dict], bw: float) -> str:
     return "\n".join(lines)
 
 
-def write_json(args: argparse.Namespace, rows: list[dict], bw: float) -> None:
+def write_json(args: argparse.Namespace, rows: list[dict], bw: float, scenarios: dict) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     doc = {"bench": "offline", "machine": platform.processor() or platform.machine(), "read_bw_gbps": bw,
-           "torch": torch.__version__, "settings": settings, "results": rows}
+           "torch": torch.__version__, "settings": settings, "results": rows,
+           "scenarios": scenarios}
     path.write_text(json.dumps(doc, indent=2, default=str))
     print(f"wrote {path}", file=sys.stderr)
 

@@ -106,6 +106,8 @@ class Engine:
         self._validate_handoff(prompt_token_ids, outputs, params, num_external_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         request = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt)
@@ -113,6 +115,7 @@ class Engine:
         request.num_external_tokens = num_external_tokens
         self.scheduler.add(request)
         return request_id
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")

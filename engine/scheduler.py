@@ -158,10 +158,9 @@ class Scheduler:
         out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        preempted_now = {id(r) for r in out.preempted}
         while self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
             request = self.waiting.peek()
-            if id(request) in preempted_now:
+            if any(request is p for p in out.preempted):
                 break  # do not re-admit what this step just evicted
             if request.num_external_tokens:
                 if not self._admit_load(request, out):

@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    serve = sub.add_parser("serve", help="run one service in this process")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    kv = serve_sub.add_parser("kvstore", help="a KV block store node (gRPC control plane + UCX data plane)")
+    from kvstore.server import add_args as add_kvstore_args
+
+    add_kvstore_args(kv)
+    kv.set_defaults(func=_cmd_serve_kvstore)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     offline = bench_sub.add_parser("offline", help="engine throughput against transformers, in-process")
@@ -116,6 +124,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from tandem.local_generate import generate_local
 
     return generate_local(args)
+
+
+def _cmd_serve_kvstore(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from kvstore.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(args))
+    return 0
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:

@@ -1,0 +1,108 @@
+"""An engine's KV connector backed by a kvstore node: pushes and pulls run beside the step loop.
+
+The engine calls the connector from its own thread between steps (see
+``engine.kv_transfer``); transfers run on a private asyncio loop in a background
+thread, so a push of one chunk's blocks overlaps the next chunk's compute, and a
+pull completes while the engine keeps stepping the other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_transfer import KVConnector, LoadResult
+from engine.request import Request
+from kvstore.client import BlockKey, KVStoreClient
+
+log = logging.getLogger("tandem.kvstore.connector")
+
+
+class KVStoreConnector(KVConnector):
+    def __init__(self, address: str, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.block_shape = (mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.dtype = config.torch_dtype
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
+        self._thread.start()
+        self.client: KVStoreClient = self._call(self._make_client(address)).result()
+        self._lock = threading.Lock()
+        self._done: list[LoadResult] = []
+        self._saves: set[Future] = set()
+        self.failed_saves = 0
+
+    async def _make_client(self, address: str) -> KVStoreClient:
+        return KVStoreClient(address)  # its gRPC channel belongs to this loop
+
+    def _call(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def save_blocks(self, request: Request, first_block: int, keys: list[bytes | None], data: torch.Tensor) -> None:
+        blocks: list[tuple[BlockKey, np.ndarray]] = [
+            (key if key is not None else (request.request_id, first_block + i), _as_bytes(data[i]))
+            for i, key in enumerate(keys)
+        ]
+        fut = self._call(self.client.push(blocks))
+        with self._lock:
+            self._saves.add(fut)
+        fut.add_done_callback(self._saved)
+
+    def _saved(self, fut: Future) -> None:
+        with self._lock:
+            self._saves.discard(fut)
+        if fut.exception() is not None:  # the decode side will miss these blocks and recompute
+            self.failed_saves += 1
+            log.warning("KV push failed: %s", fut.exception())
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every push so far is committed (a producer answers only after this)."""
+        with self._lock:
+            pending = list(self._saves)
+        for fut in pending:
+            try:
+                fut.result(timeout)
+            except Exception:  # counted in _saved
+                pass
+
+    def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
+        n_keys = max(0, min(first_block + num_blocks, len(request.block_hashes)) - first_block)
+        keys = request.block_hashes[first_block : first_block + n_keys]
+        partials = [(request.request_id, i) for i in range(first_block + n_keys, first_block + num_blocks)]
+        self._call(self._load(request.request_id, keys, partials, num_blocks))
+
+    async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int) -> None:
+        try:
+            pulled = await self.client.pull(keys, partials)
+            if len(pulled.blocks) < n:
+                result = LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
+            else:
+                raw = torch.from_numpy(np.stack(pulled.blocks))
+                result = LoadResult(request_id, raw.view(self.dtype).reshape(n, *self.block_shape))
+            if partials:
+                await self.client.drop_partials(request_id)
+        except Exception as exc:  # the store is down or died mid-pull: a miss, recomputed by the engine
+            result = LoadResult(request_id, None, f"KV pull failed: {exc}")
+        with self._lock:
+            self._done.append(result)
+
+    def poll_loads(self) -> list[LoadResult]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        self.flush()
+        self._call(self.client.close()).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def _as_bytes(block: torch.Tensor) -> np.ndarray:
+    return block.contiguous().view(torch.uint8).reshape(-1).numpy()

@@ -1,0 +1,200 @@
+"""The kvstore's gRPC control plane: Lookup, Reserve, Commit, Release, Stats over one node's pool.
+
+Errors follow ARCHITECTURE.md: bad input is INVALID_ARGUMENT, a full store is
+RESOURCE_EXHAUSTED, an unknown lease or reservation is NOT_FOUND, an index that
+cannot be reached (Redis down) is UNAVAILABLE. Index calls may block on the
+network, so they run in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import xxhash
+
+from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError
+from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+
+KEY_BYTES = 32
+MAX_KEYS = 65536
+
+
+@dataclass(slots=True)
+class Counters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map the pool's and the index's exceptions to gRPC status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except CapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except UnknownHandleError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except IndexUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    return wrapper
+
+
+def _check_keys(keys: list[bytes]) -> None:
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"at most {MAX_KEYS} keys per call, got {len(keys)}")
+    for i, key in enumerate(keys):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key {i} is {len(key)} bytes; block keys are {KEY_BYTES}-byte SHA-256 digests")
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(
+        self,
+        pool: BlockPool,
+        index: BlockIndex,
+        node_id: str,
+        data_address: str,
+        lease_ttl_s: float = 30.0,
+        reserve_ttl_s: float = 30.0,
+    ) -> None:
+        self.pool = pool
+        self.index = index
+        self.node_id = node_id
+        self.data_address = data_address
+        self.lease_ttl_s = lease_ttl_s
+        self.reserve_ttl_s = reserve_ttl_s
+        self.counters = Counters()
+
+    async def _index(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    @_rpc
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        keys = list(request.keys)
+        _check_keys(keys)
+        entries: list[IndexEntry] = await self._index(self.index.lookup, keys) if keys else []
+        entries = self._still_here(entries)
+        addresses: dict[str, str] = await self._index(self.index.nodes) if entries else {}
+        blocks = [self._location(e, addresses.get(e.node_id, "")) for e in entries]
+        partials = self._partials(request.partials)
+        self.counters.lookups += 1
+        self.counters.hit_blocks += len(blocks)
+        self.counters.miss_blocks += len(keys) - len(blocks)
+        lease_id = 0
+        local = [b.slot for b in blocks + partials if b.node_id == self.node_id]
+        if request.lease and local:
+            lease_id = self.pool.lease(local, request.lease_ttl_s or self.lease_ttl_s)
+            self.pool.touch(local)
+        return pb.LookupResponse(blocks=blocks, partials=partials, lease_id=lease_id)
+
+    def _still_here(self, entries: list[IndexEntry]) -> list[IndexEntry]:
+        """Cut the prefix at a local block the pool no longer holds (evicted after the index answered)."""
+        local = self.pool.find([e.key for e in entries])
+        for i, (e, hit) in enumerate(zip(entries, local, strict=True)):
+            if e.node_id == self.node_id and (hit is None or hit[0] != e.slot):
+                return entries[:i]
+        return entries
+
+    def _location(self, e: IndexEntry, address: str) -> pb.BlockLocation:
+        return pb.BlockLocation(
+            key=e.key, node_id=e.node_id, data_address=address, slot=e.slot, length=e.length, checksum=e.checksum
+        )
+
+    def _partials(self, refs: Any) -> list[pb.BlockLocation]:
+        found = self.pool.find([(r.request_id, r.index) for r in refs])
+        return [
+            pb.BlockLocation(node_id=self.node_id, data_address=self.data_address, slot=slot, length=s.length,
+                             checksum=s.checksum)
+            for hit in found
+            if hit is not None
+            for slot, s in [hit]
+        ]
+
+    @_rpc
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        rid, slots, evicted = self.pool.reserve(request.num_blocks, request.ttl_s or self.reserve_ttl_s)
+        if evicted.keys:
+            await self._index(self.index.remove, self.node_id, evicted.keys)
+        return pb.ReserveResponse(
+            reservation_id=rid,
+            slots=slots,
+            node_id=self.node_id,
+            data_address=self.data_address,
+            block_bytes=self.pool.block_bytes,
+        )
+
+    @_rpc
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        slots = set(self.pool.reserved_slots(request.reservation_id))
+        commits, rejected = [], 0
+        for b in request.blocks:
+            if b.slot not in slots:
+                raise ValueError(f"slot {b.slot} is not part of reservation {request.reservation_id}")
+            if not 0 < b.length <= self.pool.block_bytes:
+                raise ValueError(f"block length {b.length} is outside (0, {self.pool.block_bytes}]")
+            key = self._commit_key(b)
+            if xxhash.xxh3_64_intdigest(self.pool.buffer[b.slot, : b.length]) != b.checksum:
+                rejected += 1  # the bytes in the slot are not what the writer meant: never serve them
+                continue
+            commits.append(Commit(b.slot, key, b.length, b.checksum))
+        stored = self.pool.commit(request.reservation_id, commits)
+        full = [IndexEntry(c.key, self.node_id, c.slot, c.length, c.checksum) for c in stored
+                if isinstance(c.key, bytes)]
+        if full:
+            try:
+                await self._index(self.index.commit, full)
+            except IndexUnavailableError:
+                self.pool.forget([e.key for e in full])
+                raise
+        self.counters.bytes_in += sum(c.length for c in stored)
+        return pb.CommitResponse(committed=len(stored), rejected=rejected)
+
+    def _commit_key(self, b: pb.CommitBlock) -> bytes | tuple[str, int]:
+        if b.key:
+            _check_keys([b.key])
+            return b.key
+        if not b.partial.request_id:
+            raise ValueError("a committed block needs a 32-byte key or a partial (request id, index)")
+        return (b.partial.request_id, b.partial.index)
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        if not (request.lease_id or request.reservation_id or request.drop_partials_of):
+            raise ValueError("Release needs a lease_id, a reservation_id or drop_partials_of")
+        if request.reservation_id:
+            self.pool.cancel(request.reservation_id)
+        if request.drop_partials_of:
+            self.pool.drop_partials(request.drop_partials_of)
+        if request.lease_id:
+            self.pool.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    @_rpc
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        snap = self.pool.snapshot()
+        c = self.counters
+        return pb.StatsResponse(
+            node_id=self.node_id,
+            block_bytes=self.pool.block_bytes,
+            lookups=c.lookups,
+            hit_blocks=c.hit_blocks,
+            miss_blocks=c.miss_blocks,
+            bytes_in=c.bytes_in,
+            bytes_out=c.bytes_out,
+            **snap,
+        )

@@ -1,0 +1,271 @@
+"""The store node's preallocated block pool: slots, reservations, commits, leases, LRU eviction.
+
+All bookkeeping of one store node, no I/O: the service moves bytes in and out of
+``buffer`` and calls these methods around the transfers. A slot is in exactly one
+state: free, reserved (a writer is filling it; never served), committed (visible
+under its key; served), or committed and leased (served, never evicted).
+
+Eviction is LRU over committed slots that no lease holds; capacity is a hard limit:
+a reservation that cannot be met even after evicting everything evictable fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PartialKey = tuple[str, int]  # (request id, block index): request-scoped trailing blocks
+
+
+class CapacityError(Exception):
+    """Not enough free or evictable slots: the caller gets RESOURCE_EXHAUSTED."""
+
+
+class UnknownHandleError(KeyError):
+    """A reservation or lease id that does not exist (any more): NOT_FOUND."""
+
+
+@dataclass(slots=True)
+class Stored:
+    key: bytes | PartialKey
+    length: int
+    checksum: int
+    expires: float | None = None  # partial blocks only
+    leases: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    slots: list[int]
+    expires: float
+
+
+@dataclass(slots=True)
+class Lease:
+    slots: list[int]
+    expires: float
+
+
+@dataclass(slots=True)
+class PoolStats:
+    evictions: int = 0
+    expired_partials: int = 0
+    expired_reservations: int = 0
+    expired_leases: int = 0
+    commits: int = 0
+
+
+@dataclass(slots=True)
+class Commit:
+    slot: int
+    key: bytes | PartialKey
+    length: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class Evicted:
+    """Keys that left the pool: the service removes them from the index."""
+
+    keys: list[bytes] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: int,
+        partial_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        self.num_slots = capacity_bytes // block_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"capacity {capacity_bytes} bytes holds no block of {block_bytes} bytes")
+        self.block_bytes = block_bytes
+        self.buffer = np.zeros((self.num_slots, block_bytes), dtype=np.uint8)
+        self.partial_ttl_s = partial_ttl_s
+        self.clock = clock
+        self.stats = PoolStats()
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._stored: dict[int, Stored] = {}
+        self._by_key: dict[bytes | PartialKey, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # committed, unleased, oldest use first
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+
+    # -- writers -------------------------------------------------------------------------------
+
+    def reserve(self, n: int, ttl_s: float) -> tuple[int, list[int], Evicted]:
+        """Slots for ``n`` blocks, evicting LRU blocks when needed; raises CapacityError."""
+        if n < 1:
+            raise ValueError(f"reserve at least one block, got {n}")
+        with self._lock:
+            evicted = self._expire()
+            if n > len(self._free) + len(self._lru):
+                raise CapacityError(
+                    f"{n} blocks requested; {len(self._free)} free and {len(self._lru)} evictable of "
+                    f"{self.num_slots}"
+                )
+            while len(self._free) < n:
+                evicted.keys += self._evict_one()
+            slots = [self._free.pop() for _ in range(n)]
+            rid = next(self._ids)
+            self._reservations[rid] = Reservation(slots, self.clock() + ttl_s)
+            return rid, slots, evicted
+
+    def reserved_slots(self, reservation_id: int) -> list[int]:
+        with self._lock:
+            res = self._reservations.get(reservation_id)
+            if res is None:
+                raise UnknownHandleError(f"reservation {reservation_id} does not exist or expired")
+            return list(res.slots)
+
+    def commit(self, reservation_id: int, commits: list[Commit]) -> list[Commit]:
+        """Make written slots visible; slots of the reservation left out are freed. Returns the
+        commits that were stored (a key stored already keeps its first copy)."""
+        with self._lock:
+            res = self._reservations.pop(reservation_id, None)
+            if res is None:
+                raise UnknownHandleError(f"reservation {reservation_id} does not exist or expired")
+            mine = set(res.slots)
+            if any(c.slot not in mine for c in commits):
+                self._reservations[reservation_id] = res
+                raise ValueError("a commit names a slot outside its reservation")
+            stored, used = [], set()
+            for c in commits:
+                if c.key in self._by_key or c.slot in used:
+                    continue
+                expires = self.clock() + self.partial_ttl_s if isinstance(c.key, tuple) else None
+                self._stored[c.slot] = Stored(c.key, c.length, c.checksum, expires)
+                self._by_key[c.key] = c.slot
+                self._lru[c.slot] = None
+                used.add(c.slot)
+                stored.append(c)
+            self._free += [s for s in res.slots if s not in used]
+            self.stats.commits += len(stored)
+            return stored
+
+    def forget(self, keys: list[bytes | PartialKey]) -> None:
+        """Drop stored blocks (their index entry could not be written: nobody could find them)."""
+        with self._lock:
+            for key in keys:
+                slot = self._by_key.get(key)
+                if slot is not None and self._stored[slot].leases == 0:
+                    self._drop(slot)
+
+    def cancel(self, reservation_id: int) -> None:
+        with self._lock:
+            res = self._reservations.pop(reservation_id, None)
+            if res is not None:
+                self._free += res.slots
+
+    # -- readers -------------------------------------------------------------------------------
+
+    def find(self, keys: list[bytes | PartialKey]) -> list[tuple[int, Stored] | None]:
+        with self._lock:
+            out = []
+            for key in keys:
+                slot = self._by_key.get(key)
+                out.append(None if slot is None else (slot, self._stored[slot]))
+            return out
+
+    def lease(self, slots: list[int], ttl_s: float) -> int:
+        """Hold committed slots against eviction until ``release`` or the lease expires."""
+        with self._lock:
+            for slot in slots:
+                if slot not in self._stored:
+                    raise UnknownHandleError(f"slot {slot} holds no committed block")
+            for slot in slots:
+                entry = self._stored[slot]
+                entry.leases += 1
+                self._lru.pop(slot, None)
+            lid = next(self._ids)
+            self._leases[lid] = Lease(list(slots), self.clock() + ttl_s)
+            return lid
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise UnknownHandleError(f"lease {lease_id} does not exist or expired")
+            self._unlease(lease)
+
+    def touch(self, slots: list[int]) -> None:
+        """A read: move the blocks to the most recently used end."""
+        with self._lock:
+            for slot in slots:
+                if slot in self._lru:
+                    self._lru.move_to_end(slot)
+
+    def drop_partials(self, request_id: str) -> int:
+        """The decode worker pulled a request's partial blocks: they are never shared, free them."""
+        with self._lock:
+            keys = [k for k in self._by_key if isinstance(k, tuple) and k[0] == request_id]
+            for key in keys:
+                self._drop(self._by_key[key])
+            return len(keys)
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire()
+
+    def _expire(self) -> Evicted:
+        """Reservations, leases and partial blocks past their time (partials are not in the index)."""
+        now = self.clock()
+        for rid in [r for r, res in self._reservations.items() if res.expires <= now]:
+            self._free += self._reservations.pop(rid).slots
+            self.stats.expired_reservations += 1
+        for lid in [i for i, lease in self._leases.items() if lease.expires <= now]:
+            self._unlease(self._leases.pop(lid))
+            self.stats.expired_leases += 1
+        for slot in [s for s, e in self._stored.items() if e.expires is not None and e.expires <= now]:
+            if self._stored[slot].leases == 0:
+                self._drop(slot)
+                self.stats.expired_partials += 1
+        return Evicted()
+
+    def _unlease(self, lease: Lease) -> None:
+        for slot in lease.slots:
+            entry = self._stored.get(slot)
+            if entry is not None:
+                entry.leases -= 1
+                if entry.leases == 0:
+                    self._lru[slot] = None
+
+    def _evict_one(self) -> list[bytes]:
+        slot, _ = self._lru.popitem(last=False)
+        key = self._stored[slot].key
+        self._drop(slot)
+        self.stats.evictions += 1
+        return [key] if isinstance(key, bytes) else []
+
+    def _drop(self, slot: int) -> None:
+        entry = self._stored.pop(slot)
+        del self._by_key[entry.key]
+        self._lru.pop(slot, None)
+        self._free.append(slot)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "capacity_blocks": self.num_slots,
+                "stored_blocks": len(self._stored),
+                "free_blocks": len(self._free),
+                "reserved_blocks": sum(len(r.slots) for r in self._reservations.values()),
+                "leased_blocks": sum(1 for e in self._stored.values() if e.leases),
+                "active_leases": len(self._leases),
+                "active_reservations": len(self._reservations),
+                "evictions": self.stats.evictions,
+            }

@@ -1,0 +1,114 @@
+"""``tandem serve kvstore``: one store node (pool + UCX data plane + gRPC control plane).
+
+The node registers itself in the index and heartbeats; a node that stops
+heartbeating is purged by the others (its blocks read as misses). Upkeep also
+expires reservations, leases and request-scoped partial blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.control import KVStoreService
+from kvstore.data_plane import DataPlaneServer
+from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
+from kvstore.pool import BlockPool
+from protos import kvstore_pb2, kvstore_pb2_grpc
+from tandem.settings import env_default
+
+log = logging.getLogger("tandem.kvstore")
+
+# One block of the default model (SmolLM2-135M: 30 layers x K,V x 16 tokens x 3 KV heads x 64) in float32.
+DEFAULT_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=env_default("--port", 0), help="gRPC port (0: pick a free one)")
+    p.add_argument("--data-port", type=int, default=env_default("--data-port", 0), help="UCX port (0: free one)")
+    p.add_argument("--capacity-gb", type=float, default=env_default("--capacity-gb", 1.0))
+    p.add_argument("--block-bytes", type=int, default=env_default("--block-bytes", DEFAULT_BLOCK_BYTES),
+                   help="bytes of one KV block (all layers) of the served model and dtype")
+    p.add_argument("--redis-url", default=env_default("--redis-url", None, str),
+                   help="share the index through Redis (default: an embedded in-memory index)")
+    p.add_argument("--node-id", default=env_default("--node-id", None, str))
+    p.add_argument("--heartbeat-s", type=float, default=env_default("--heartbeat-s", 2.0))
+    p.add_argument("--partial-ttl-s", type=float, default=env_default("--partial-ttl-s", 60.0))
+
+
+def make_index(redis_url: str | None) -> BlockIndex:
+    if not redis_url:
+        return MemoryIndex()
+    from kvstore.redis_index import RedisIndex
+
+    return RedisIndex(redis_url)
+
+
+async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: str, grpc_address: str) -> None:
+    ttl = 3 * args.heartbeat_s
+    while True:
+        try:
+            await asyncio.to_thread(service.index.register_node, node_id, service.data_address, ttl)
+            dead = await asyncio.to_thread(service.index.purge_dead)
+            if dead:
+                log.warning("purged dead store nodes %s", dead)
+        except IndexUnavailableError as exc:
+            log.warning("index unavailable: %s", exc)
+        service.pool.expire()
+        await asyncio.sleep(args.heartbeat_s)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    pool = BlockPool(int(args.capacity_gb * 2**30), args.block_bytes, args.partial_ttl_s)
+    server = grpc.aio.server()
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    node_id = args.node_id or f"{socket.gethostname()}:{port}"
+    data = DataPlaneServer(pool.buffer)
+    data_port = data.start(args.data_port)
+    service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}")
+    data.on_bytes = lambda received, sent: setattr(service.counters, "bytes_out", service.counters.bytes_out + sent)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    upkeep = asyncio.create_task(_upkeep(service, args, node_id, f"{args.host}:{port}"))
+    # The launcher and tests read this line to find the ports.
+    print(f"KVSTORE READY grpc={args.host}:{port} data={args.host}:{data_port} node={node_id} "
+          f"slots={pool.num_slots}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    upkeep.cancel()
+    with contextlib.suppress(IndexUnavailableError):
+        await asyncio.to_thread(service.index.purge_node, node_id)  # a clean stop leaves nothing behind
+    await server.stop(grace=1)
+    data.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem serve kvstore")
+    add_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

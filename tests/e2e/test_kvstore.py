@@ -1,0 +1,224 @@
+"""The kvstore as real processes: gRPC control plane, UCX transfers on loopback, Redis index."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from kvstore.client import KVStoreClient, checksum
+from kvstore.connector import KVStoreConnector
+from protos import kvstore_pb2 as pb
+from tests.redis_server import RedisServer
+from tests.unit.test_engine_correctness import mixed_prompts, run_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 8192  # one block of the tiny test Llama: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes
+
+
+class StoreNode:
+    """``python -m kvstore.server`` in its own process; its ports come from the READY line."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "kvstore.server", "--block-bytes", str(BLOCK), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + 30
+        for line in self.proc.stdout:
+            if line.startswith("KVSTORE READY"):
+                fields = dict(f.split("=", 1) for f in line.split()[2:])
+                self.grpc, self.data, self.node_id = fields["grpc"], fields["data"], fields["node"]
+                return
+            if time.monotonic() > deadline:
+                break
+        self.kill()
+        raise RuntimeError("the kvstore process did not start")
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
+
+
+def capacity(blocks: int) -> str:
+    return repr(blocks * BLOCK / 2**30)
+
+
+@pytest.fixture
+def node():
+    n = StoreNode("--capacity-gb", capacity(64))
+    yield n
+    n.kill()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def random_blocks(n: int, seed: int) -> list[tuple[bytes, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.bytes(32), rng.integers(0, 256, BLOCK, dtype=np.uint8)) for _ in range(n)]
+
+
+async def _with_client(address: str, fn):
+    client = KVStoreClient(address)
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
+
+
+def test_push_pull_round_trip_is_byte_identical(node):
+    blocks = random_blocks(40, seed=1)
+
+    async def go(c: KVStoreClient):
+        assert await c.push(blocks) == 40
+        assert await c.push(blocks[:5]) == 0  # stored already: the first copy stays
+        got = await c.pull([k for k, _ in blocks])
+        assert got.misses == 0 and all(np.array_equal(a, b) for a, (_, b) in zip(got.blocks, blocks, strict=True))
+        partial = await c.pull([blocks[0][0], os.urandom(32), blocks[1][0]])
+        assert len(partial.blocks) == 1 and partial.misses == 2  # the longest prefix only
+        stats = await c.stats()
+        assert stats.stored_blocks == 40 and stats.active_leases == 0 and stats.reserved_blocks == 0
+
+    run(_with_client(node.grpc, go))
+
+
+def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
+    prompts = mixed_prompts(4, 256, 10, 70, seed=40)
+    max_tokens = [8, 12, 6, 10]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    reference = run_engine(Engine.from_model(str(tiny_llama), num_kv_blocks=64), prompts, max_tokens)
+
+    producer_cfg = EngineConfig(str(tiny_llama), num_kv_blocks=64, role="producer", max_num_batched_tokens=32)
+    consumer_cfg = EngineConfig(str(tiny_llama), num_kv_blocks=64, role="consumer")
+    producer = Engine(producer_cfg, KVStoreConnector(node.grpc, producer_cfg))
+    consumer = Engine(consumer_cfg, KVStoreConnector(node.grpc, consumer_cfg))
+    try:
+        firsts = {}
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            producer.add_request(p, sp, request_id=f"r{i}")
+        while producer.has_unfinished():
+            for out in producer.step():
+                firsts[out.request_id] = out.new_token_ids[0]
+        producer.connector.flush()
+        outs = {}
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            consumer.add_request(p, sp, f"r{i}", output_token_ids=[firsts[f"r{i}"]], num_external_tokens=len(p))
+            outs[f"r{i}"] = [firsts[f"r{i}"]]
+        while consumer.has_unfinished():
+            for out in consumer.step():
+                outs[out.request_id] += out.new_token_ids
+        assert [outs[f"r{i}"] for i in range(4)] == reference
+        assert consumer.stats.kv_load_failures == 0 and consumer.stats.prompt_tokens_computed == 0
+        stats = run(_with_client(node.grpc, lambda c: c.stats()))
+        assert stats.active_leases == 0 and stats.reserved_blocks == 0
+        # Partial blocks are request-scoped: dropped once pulled; full blocks stay for reuse.
+        assert stats.stored_blocks == sum(len(p) // 16 for p in prompts)
+    finally:
+        producer.connector.close()
+        consumer.connector.close()
+
+
+def test_eviction_is_lru_and_capacity_is_never_exceeded(node):
+    old, new = random_blocks(40, seed=2), random_blocks(40, seed=3)
+
+    async def go(c: KVStoreClient):
+        await c.push(old)
+        await c.pull([k for k, _ in old[:10]])  # the first 10 are used again: they are the newest now
+        await c.push(new)  # 80 blocks into 64 slots: 16 evicted, the least recently used
+        stats = await c.stats()
+        assert stats.stored_blocks == 64 and stats.evictions == 16
+        assert len((await c.pull([k for k, _ in old[:10]])).blocks) == 10
+        assert len((await c.pull([k for k, _ in old[10:26]])).blocks) == 0
+        assert len((await c.pull([k for k, _ in new])).blocks) == 40
+
+    run(_with_client(node.grpc, go))
+
+
+def test_leases_hold_blocks_and_a_full_store_refuses(node):
+    blocks = random_blocks(64, seed=4)
+
+    async def go(c: KVStoreClient):
+        await c.push(blocks)
+        held = await c.stub.Lookup(pb.LookupRequest(keys=[k for k, _ in blocks[:60]], lease=True))
+        assert len(held.blocks) == 60 and held.lease_id
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.Reserve(pb.ReserveRequest(num_blocks=5))  # 4 evictable: never over capacity
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await c.push(random_blocks(4, seed=5))  # the 4 unleased ones make room
+        assert len((await c.pull([k for k, _ in blocks[:60]])).blocks) == 60
+        await c.stub.Release(pb.ReleaseRequest(lease_id=held.lease_id))
+        await c.push(random_blocks(8, seed=6))
+        assert (await c.stats()).evictions == 12
+
+    run(_with_client(node.grpc, go))
+
+
+def test_checksum_mismatch_is_never_served(node):
+    (key, block), = random_blocks(1, seed=7)
+
+    async def go(c: KVStoreClient):
+        res = await c.stub.Reserve(pb.ReserveRequest(num_blocks=1))
+        await c.data.write(res.data_address, list(res.slots), [block])
+        bad = pb.CommitBlock(slot=res.slots[0], key=key, length=BLOCK, checksum=checksum(block) ^ 1)
+        done = await c.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=[bad]))
+        assert (done.committed, done.rejected) == (0, 1)
+        assert (await c.pull([key])).misses == 1
+
+    run(_with_client(node.grpc, go))
+
+
+def test_malformed_requests_get_clear_status_codes(node):
+    async def go(c: KVStoreClient):
+        for call, code in [
+            (c.stub.Lookup(pb.LookupRequest(keys=[b"short"])), grpc.StatusCode.INVALID_ARGUMENT),
+            (c.stub.Reserve(pb.ReserveRequest(num_blocks=0)), grpc.StatusCode.INVALID_ARGUMENT),
+            (c.stub.Release(pb.ReleaseRequest(lease_id=12345)), grpc.StatusCode.NOT_FOUND),
+            (c.stub.Commit(pb.CommitRequest(reservation_id=999)), grpc.StatusCode.NOT_FOUND),
+            (c.stub.Release(pb.ReleaseRequest()), grpc.StatusCode.INVALID_ARGUMENT),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == code and err.value.details()
+        with pytest.raises(ValueError, match="blocks of 5 bytes"):
+            await c.push([(os.urandom(32), np.zeros(5, dtype=np.uint8))])
+        assert (await c.stats()).reserved_blocks == 0
+
+    run(_with_client(node.grpc, go))
+
+
+def test_two_nodes_share_a_redis_index_and_a_dead_node_is_purged():
+    with RedisServer() as redis:
+        a = StoreNode("--capacity-gb", capacity(32), "--redis-url", redis.url, "--heartbeat-s", "0.2")
+        b = StoreNode("--capacity-gb", capacity(32), "--redis-url", redis.url, "--heartbeat-s", "0.2")
+        try:
+            blocks = random_blocks(8, seed=8)
+            run(_with_client(a.grpc, lambda c: c.push(blocks)))
+
+            async def through_b(c: KVStoreClient):
+                found = await c.stub.Lookup(pb.LookupRequest(keys=[k for k, _ in blocks]))
+                assert [loc.node_id for loc in found.blocks] == [a.node_id] * 8
+                got = await c.pull([k for k, _ in blocks])  # the bytes come from a's pool over UCX
+                assert all(np.array_equal(x, y) for x, (_, y) in zip(got.blocks, blocks, strict=True))
+
+            run(_with_client(b.grpc, through_b))
+            a.kill(signal.SIGKILL)  # no clean purge: b must notice the missing heartbeats
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                found = run(_with_client(b.grpc, lambda c: c.stub.Lookup(pb.LookupRequest(keys=[blocks[0][0]]))))
+                if not found.blocks:
+                    break
+                time.sleep(0.2)
+            assert not found.blocks  # a miss, not an error: the prefill recomputes
+        finally:
+            a.kill()
+            b.kill()

@@ -65,7 +65,11 @@ class DataPlaneServer:
                     return
                 rows = [self.buffer[int(s)] for s in slots]
                 if op == OP_WRITE:
-                    await asyncio.gather(*(ep.recv(row) for row in rows))
+                    # Post every receive first, then let the writer go: blocks land in expected
+                    # receives (straight into the pool) instead of UCX's unexpected-message buffers.
+                    receives = [asyncio.ensure_future(ep.recv(row)) for row in rows]
+                    await ep.send(np.ones(1, dtype=np.int64))
+                    await asyncio.gather(*receives)
                     await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
                     self.on_bytes(n * self.buffer.shape[1], 0)
                 else:
@@ -106,8 +110,9 @@ class DataPlaneClient:
             try:
                 await ep.send(np.array([OP_WRITE, len(slots)], dtype=np.int64))
                 await ep.send(np.asarray(slots, dtype=np.int64))
-                await asyncio.gather(*(ep.send(b) for b in blocks))
                 ack = np.zeros(1, dtype=np.int64)
+                await ep.recv(ack)  # the store has posted its receives
+                await asyncio.gather(*(ep.send(b) for b in blocks))
                 await ep.recv(ack)
             except Exception as exc:
                 self._eps.pop(address, None)

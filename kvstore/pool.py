@@ -90,7 +90,8 @@ class BlockPool:
         if self.num_slots < 1:
             raise ValueError(f"capacity {capacity_bytes} bytes holds no block of {block_bytes} bytes")
         self.block_bytes = block_bytes
-        self.buffer = np.zeros((self.num_slots, block_bytes), dtype=np.uint8)
+        self.buffer = np.empty((self.num_slots, block_bytes), dtype=np.uint8)
+        self.buffer.fill(0)  # touch every page now: first-touch faults would otherwise land on transfers
         self.partial_ttl_s = partial_ttl_s
         self.clock = clock
         self.stats = PoolStats()

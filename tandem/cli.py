@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_args(offline)
     add_engine_args(offline)
     offline.set_defaults(func=_cmd_bench_offline)
+    kv_bench = bench_sub.add_parser("kv", help="kvstore push/pull against memcpy and gRPC bytes, cross-process")
+    from tandem.bench.kv import add_args as add_kv_args
+
+    add_kv_args(kv_bench)
+    kv_bench.set_defaults(func=_cmd_bench_kv)
     return parser
 
 
@@ -135,6 +140,12 @@ def _cmd_serve_kvstore(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args))
     return 0
+
+
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from tandem.bench.kv import run
+
+    return run(args)
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from kvstore.client import KVStoreClient, checksum
 from kvstore.connector import KVStoreConnector
 from protos import kvstore_pb2 as pb
-from tests.redis_server import RedisServer
+from tandem.redis_server import RedisServer
 from tests.unit.test_engine_correctness import mixed_prompts, run_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import redis
 from engine.block_hash import prompt_block_hashes
 from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, MemoryIndex
 from kvstore.redis_index import RedisIndex
-from tests.redis_server import RedisServer
+from tandem.redis_server import RedisServer
 
 TTL_S = 0.3  # short enough to sleep through on redis, long enough to outlast a slow scheduler
 

@@ -1,4 +1,4 @@
-"""A throwaway ``redis-server`` for tests: real Redis on a free port, no persistence.
+"""A throwaway ``redis-server``: real Redis on a free port, no persistence (tests and benchmarks).
 
 Tests use a real server rather than a fake so that the Lua scripts, key expiry
 and reconnects are the ones production runs.

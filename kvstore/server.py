@@ -75,6 +75,8 @@ async def serve(args: argparse.Namespace) -> None:
     data = DataPlaneServer(pool.buffer)
     data_port = data.start(args.data_port)
     service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}")
+    with contextlib.suppress(IndexUnavailableError):  # a restarted node's old entries name an empty pool
+        await asyncio.to_thread(service.index.purge_node, node_id)
     data.on_bytes = lambda received, sent: setattr(service.counters, "bytes_out", service.counters.bytes_out + sent)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

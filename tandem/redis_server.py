@@ -71,7 +71,7 @@ class RedisServer:
         self.close()
 
 
-if __name__ == "__main__":  # a quick manual server: python -m tests.redis_server
+if __name__ == "__main__":  # a quick manual server: python -m tandem.redis_server
     with RedisServer() as server:
         print(server.url, flush=True)
         try:

@@ -222,3 +222,26 @@ def test_two_nodes_share_a_redis_index_and_a_dead_node_is_purged():
         finally:
             a.kill()
             b.kill()
+
+
+def test_redis_down_is_unavailable_and_the_node_recovers():
+    with RedisServer() as redis:
+        node = StoreNode("--capacity-gb", capacity(16), "--redis-url", redis.url, "--heartbeat-s", "0.2")
+        try:
+            blocks = random_blocks(2, seed=9)
+            run(_with_client(node.grpc, lambda c: c.push(blocks)))
+            redis.stop()
+
+            async def down(c: KVStoreClient):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await c.stub.Lookup(pb.LookupRequest(keys=[blocks[0][0]]))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in err.value.details()
+                assert (await c.stats()).stored_blocks == 2  # the node itself keeps serving Stats
+
+            run(_with_client(node.grpc, down))
+            redis.start()
+            time.sleep(0.5)  # a heartbeat re-registers the node in the fresh Redis
+            again = run(_with_client(node.grpc, lambda c: c.push(random_blocks(1, seed=10))))
+            assert again == 1
+        finally:
+            node.kill()

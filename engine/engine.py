@@ -263,7 +263,6 @@ class Engine:
                     len(r.prompt_token_ids),
                     n_out,
                     r.num_cached_tokens,
-                    r.error,
                 )
             )
         return outputs

@@ -79,7 +79,7 @@ class KVCacheManager:
         """Give a request without blocks its table: cached blocks for up to ``reusable_tokens``
         leading tokens, fresh ones for the rest and ``num_new_tokens`` more.
 
-        On success ``num_computed_tokens`` counts the reused tokens; on failure nothing
+        On success ``num_computed_tokens`` (and ``num_cached_tokens``) count the reused tokens; on failure nothing
         is taken. ``num_new_tokens`` is counted from the end of the reuse, so callers ask
         ``cached_prefix_tokens`` first to size the step.
         """
@@ -92,7 +92,7 @@ class KVCacheManager:
         self.pool.touch(hits)
         request.block_ids = hits + (self.pool.allocate(missing) or [])
         request.num_cached_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * self.block_size
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             n_query = reusable_tokens // self.block_size
             self.stats.hit_blocks += len(hits)

@@ -25,6 +25,14 @@ import torch
 from engine.request import Request
 
 
+def block_ref(request: Request, index: int) -> bytes | tuple[str, int]:
+    """Where block ``index`` of a request is kept outside: by its key when it is full (shared),
+    by (request id, index) when it is the trailing partial block (request-scoped)."""
+    if index < len(request.block_hashes):
+        return request.block_hashes[index]
+    return (request.request_id, index)
+
+
 @dataclass(slots=True)
 class LoadResult:
     request_id: str
@@ -69,7 +77,8 @@ class LocalKVTransfer(KVConnector):
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
         blocks = []
         for index in range(first_block, first_block + num_blocks):
-            block = self._find(request, index)
+            ref = block_ref(request, index)
+            block = (self.full if isinstance(ref, bytes) else self.partial).get(ref)
             if block is None:
                 self._done.append(LoadResult(request.request_id, None, f"block {index} is not stored"))
                 return
@@ -77,13 +86,6 @@ class LocalKVTransfer(KVConnector):
         for index in range(first_block, first_block + num_blocks):
             self.partial.pop((request.request_id, index), None)
         self._done.append(LoadResult(request.request_id, torch.stack(blocks)))
-
-    def _find(self, request: Request, index: int) -> torch.Tensor | None:
-        if index < len(request.block_hashes):
-            found = self.full.get(request.block_hashes[index])
-            if found is not None:
-                return found
-        return self.partial.get((request.request_id, index))
 
     def poll_loads(self) -> list[LoadResult]:
         done, self._done = self._done, []

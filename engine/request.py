@@ -20,7 +20,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_PREFILLED = 7  # producer role: first token sampled, the KV handed out for decode elsewhere
-    FINISHED_ERROR = 8  # e.g. its KV could not be loaded
 
     @property
     def finished(self) -> bool:
@@ -36,7 +35,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_PREFILLED: "prefilled",
-    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -72,7 +70,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_external_tokens: int = 0  # leading tokens whose KV is loaded from outside (consumer role)
     num_saved_blocks: int = 0  # leading blocks handed to the KV connector (producer role)
-    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,4 +108,3 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
-    error: str | None = None

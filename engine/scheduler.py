@@ -188,7 +188,6 @@ class Scheduler:
                 break
             if not self._preempt_lower_priority(request, out):
                 return 0
-        request.num_cached_tokens = request.num_computed_tokens
         self.waiting.pop()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -209,7 +208,6 @@ class Scheduler:
         cached = self.kv.cached_prefix_tokens(request, external)
         if not self.kv.admit(request, external - cached, external):
             return False
-        request.num_cached_tokens = request.num_computed_tokens
         self.waiting.pop()
         first = request.num_computed_tokens // self.kv.block_size
         num_blocks = cdiv(external, self.kv.block_size) - first

@@ -17,11 +17,9 @@ import numpy as np
 import xxhash
 
 from kvstore.data_plane import DataPlaneClient
+from kvstore.pool import BlockKey, PartialKey
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-
-PartialKey = tuple[str, int]
-BlockKey = bytes | PartialKey
 
 
 @dataclass(slots=True)

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_transfer import KVConnector, LoadResult
+from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.request import Request
-from kvstore.client import BlockKey, KVStoreClient
+from kvstore.client import KVStoreClient
+from kvstore.pool import BlockKey
 
 log = logging.getLogger("tandem.kvstore.connector")
 
@@ -72,9 +73,9 @@ class KVStoreConnector(KVConnector):
                 pass
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
-        n_keys = max(0, min(first_block + num_blocks, len(request.block_hashes)) - first_block)
-        keys = request.block_hashes[first_block : first_block + n_keys]
-        partials = [(request.request_id, i) for i in range(first_block + n_keys, first_block + num_blocks)]
+        refs = [block_ref(request, i) for i in range(first_block, first_block + num_blocks)]
+        keys = [r for r in refs if isinstance(r, bytes)]
+        partials = [r for r in refs if not isinstance(r, bytes)]
         self._call(self._load(request.request_id, keys, partials, num_blocks))
 
     async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int) -> None:

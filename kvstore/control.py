@@ -17,12 +17,11 @@ from typing import Any
 import grpc
 import xxhash
 
-from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError
+from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, check_key, check_keys
 from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
-KEY_BYTES = 32
 MAX_KEYS = 65536
 
 
@@ -54,12 +53,10 @@ def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
     return wrapper
 
 
-def _check_keys(keys: list[bytes]) -> None:
+def _check_keys(keys: list[bytes]) -> list[bytes]:
     if len(keys) > MAX_KEYS:
         raise ValueError(f"at most {MAX_KEYS} keys per call, got {len(keys)}")
-    for i, key in enumerate(keys):
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"key {i} is {len(key)} bytes; block keys are {KEY_BYTES}-byte SHA-256 digests")
+    return check_keys(keys)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -85,8 +82,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        keys = list(request.keys)
-        _check_keys(keys)
+        keys = _check_keys(list(request.keys))
         entries: list[IndexEntry] = await self._index(self.index.lookup, keys) if keys else []
         entries = self._still_here(entries)
         addresses: dict[str, str] = await self._index(self.index.nodes) if entries else {}
@@ -166,8 +162,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _commit_key(self, b: pb.CommitBlock) -> bytes | tuple[str, int]:
         if b.key:
-            _check_keys([b.key])
-            return b.key
+            return check_key(b.key)
         if not b.partial.request_id:
             raise ValueError("a committed block needs a 32-byte key or a partial (request id, index)")
         return (b.partial.request_id, b.partial.index)

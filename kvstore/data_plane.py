@@ -14,8 +14,9 @@ Which slots a worker may write or read is decided on the control plane
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -103,32 +104,34 @@ class DataPlaneClient:
             self._eps[address] = ep
         return ep
 
-    async def write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
-        """Send ``blocks`` into ``slots`` of the node at ``address``; returns once they are in its pool."""
+    @contextlib.asynccontextmanager
+    async def _transfer(self, address: str, op: int, slots: list[int]) -> AsyncIterator[object]:
+        """One transfer on the node's endpoint: the header sent, the endpoint yielded for the body.
+
+        A failure drops the endpoint (the next transfer reconnects) and reads as ConnectionError.
+        """
         async with self._locks.setdefault(address, asyncio.Lock()):
             ep = await self._endpoint(address)
             try:
-                await ep.send(np.array([OP_WRITE, len(slots)], dtype=np.int64))
+                await ep.send(np.array([op, len(slots)], dtype=np.int64))
                 await ep.send(np.asarray(slots, dtype=np.int64))
-                ack = np.zeros(1, dtype=np.int64)
-                await ep.recv(ack)  # the store has posted its receives
-                await asyncio.gather(*(ep.send(b) for b in blocks))
-                await ep.recv(ack)
+                yield ep
             except Exception as exc:
                 self._eps.pop(address, None)
-                raise ConnectionError(f"UCX write to {address} failed: {exc}") from exc
+                raise ConnectionError(f"UCX transfer with {address} failed: {exc}") from exc
+
+    async def write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
+        """Send ``blocks`` into ``slots`` of the node at ``address``; returns once they are in its pool."""
+        async with self._transfer(address, OP_WRITE, slots) as ep:
+            ack = np.zeros(1, dtype=np.int64)
+            await ep.recv(ack)  # the store has posted its receives
+            await asyncio.gather(*(ep.send(b) for b in blocks))
+            await ep.recv(ack)
 
     async def read(self, address: str, slots: list[int], out: list[np.ndarray]) -> None:
         """Fill ``out`` (contiguous uint8 arrays of one block each) from ``slots`` of the node."""
-        async with self._locks.setdefault(address, asyncio.Lock()):
-            ep = await self._endpoint(address)
-            try:
-                await ep.send(np.array([OP_READ, len(slots)], dtype=np.int64))
-                await ep.send(np.asarray(slots, dtype=np.int64))
-                await asyncio.gather(*(ep.recv(b) for b in out))
-            except Exception as exc:
-                self._eps.pop(address, None)
-                raise ConnectionError(f"UCX read from {address} failed: {exc}") from exc
+        async with self._transfer(address, OP_READ, slots) as ep:
+            await asyncio.gather(*(ep.recv(b) for b in out))
 
     async def close(self) -> None:
         for ep in self._eps.values():

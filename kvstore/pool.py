@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PartialKey = tuple[str, int]  # (request id, block index): request-scoped trailing blocks
+BlockKey = bytes | PartialKey
 
 
 class CapacityError(Exception):
@@ -33,7 +34,7 @@ class UnknownHandleError(KeyError):
 
 @dataclass(slots=True)
 class Stored:
-    key: bytes | PartialKey
+    key: BlockKey
     length: int
     checksum: int
     expires: float | None = None  # partial blocks only
@@ -64,7 +65,7 @@ class PoolStats:
 @dataclass(slots=True)
 class Commit:
     slot: int
-    key: bytes | PartialKey
+    key: BlockKey
     length: int
     checksum: int
 
@@ -98,7 +99,7 @@ class BlockPool:
         self._lock = threading.Lock()
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._stored: dict[int, Stored] = {}
-        self._by_key: dict[bytes | PartialKey, int] = {}
+        self._by_key: dict[BlockKey, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # committed, unleased, oldest use first
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
@@ -111,7 +112,8 @@ class BlockPool:
         if n < 1:
             raise ValueError(f"reserve at least one block, got {n}")
         with self._lock:
-            evicted = self._expire()
+            self._expire()
+            evicted = Evicted()
             if n > len(self._free) + len(self._lru):
                 raise CapacityError(
                     f"{n} blocks requested; {len(self._free)} free and {len(self._lru)} evictable of "
@@ -156,7 +158,7 @@ class BlockPool:
             self.stats.commits += len(stored)
             return stored
 
-    def forget(self, keys: list[bytes | PartialKey]) -> None:
+    def forget(self, keys: list[BlockKey]) -> None:
         """Drop stored blocks (their index entry could not be written: nobody could find them)."""
         with self._lock:
             for key in keys:
@@ -172,7 +174,7 @@ class BlockPool:
 
     # -- readers -------------------------------------------------------------------------------
 
-    def find(self, keys: list[bytes | PartialKey]) -> list[tuple[int, Stored] | None]:
+    def find(self, keys: list[BlockKey]) -> list[tuple[int, Stored] | None]:
         with self._lock:
             out = []
             for key in keys:
@@ -222,7 +224,7 @@ class BlockPool:
         with self._lock:
             self._expire()
 
-    def _expire(self) -> Evicted:
+    def _expire(self) -> None:
         """Reservations, leases and partial blocks past their time (partials are not in the index)."""
         now = self.clock()
         for rid in [r for r, res in self._reservations.items() if res.expires <= now]:
@@ -235,7 +237,6 @@ class BlockPool:
             if self._stored[slot].leases == 0:
                 self._drop(slot)
                 self.stats.expired_partials += 1
-        return Evicted()
 
     def _unlease(self, lease: Lease) -> None:
         for slot in lease.slots:

@@ -53,7 +53,7 @@ def make_index(redis_url: str | None) -> BlockIndex:
     return RedisIndex(redis_url)
 
 
-async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: str, grpc_address: str) -> None:
+async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: str) -> None:
     ttl = 3 * args.heartbeat_s
     while True:
         try:
@@ -87,7 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    upkeep = asyncio.create_task(_upkeep(service, args, node_id, f"{args.host}:{port}"))
+    upkeep = asyncio.create_task(_upkeep(service, args, node_id))
     # The launcher and tests read this line to find the ports.
     print(f"KVSTORE READY grpc={args.host}:{port} data={args.host}:{data_port} node={node_id} "
           f"slots={pool.num_slots}", flush=True)
@@ -103,13 +103,16 @@ async def serve(args: argparse.Namespace) -> None:
     data.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve kvstore")
-    add_args(parser)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(args))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem serve kvstore")
+    add_args(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

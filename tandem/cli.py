@@ -132,14 +132,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_kvstore(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
+    from kvstore.server import run
 
-    from kvstore.server import serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
-    return 0
+    return run(args)
 
 
 def _cmd_bench_kv(args: argparse.Namespace) -> int:

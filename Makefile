@@ -19,7 +19,7 @@ model: setup
 	$(TANDEM) fetch-model
 
 run: model
-	$(TANDEM) generate --local "$(PROMPT)"
+	$(TANDEM) up --generate "$(PROMPT)"
 
 test: model
 	$(VENV)/bin/ruff check .

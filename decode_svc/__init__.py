@@ -1,1 +1,1 @@
-"""Placeholder package; built by a later issue (see ARCHITECTURE.md)."""
+"""Decode worker: the engine in the consumer role, pulling KV from the kvstore (or prefilling itself, aggregated)."""

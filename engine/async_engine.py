@@ -7,6 +7,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    done: Future = field(default_factory=Future)
 
 
 class AsyncEngine:
@@ -66,8 +68,12 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+    def abort(self, request_id: str) -> Future:
+        """Queue an abort; the future completes once the engine thread has applied it, i.e. after
+        any step that was running (and everything that step did for the request, such as KV saves)."""
+        item = _Abort(request_id)
+        self._inbox.put(item)
+        return item.done
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -115,6 +121,7 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             self.engine.abort(item.request_id)
             self._sinks.pop(item.request_id, None)
+            item.done.set_result(None)
             return
         try:
             self.engine.add_request(item.prompt, item.params, item.request_id, item.priority, **item.extra)

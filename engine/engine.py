@@ -20,7 +20,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_transfer import KVConnector, LoadResult
 from engine.loader import weights_id
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from engine.request import Request, RequestOutput, RequestStatus, RequestTimes, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, ScheduledRequest, Scheduler
@@ -113,6 +113,8 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt)
         request.output_token_ids = outputs
         request.num_external_tokens = num_external_tokens
+        if self.role == "producer":  # what it loads came from the store: pushing it back would be wasted
+            request.num_saved_blocks = num_external_tokens // self.config.block_size
         self.scheduler.add(request)
         return request_id
 
@@ -210,6 +212,7 @@ class Engine:
                 result.error = str(exc)
         if result.error is not None:
             self.stats.kv_load_failures += 1
+            r.num_saved_blocks = 0  # the store lacks them after all: a producer pushes what it recomputes
             self.scheduler.requeue_for_recompute(r)
             return
         self.stats.kv_blocks_loaded += load.num_blocks
@@ -243,8 +246,10 @@ class Engine:
             r.output_token_ids.append(token)
             if lp is not None:
                 r.output_logprobs.append(lp)
+            times = None
             if r.first_token_time is None:
                 r.first_token_time = now
+                times = RequestTimes.of(r)
             n_out, params = len(r.output_token_ids), r.params
             if token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
                 self._finish(r, RequestStatus.FINISHED_STOPPED)
@@ -262,7 +267,8 @@ class Engine:
                     r.status.finish_reason if finished else None,
                     len(r.prompt_token_ids),
                     n_out,
-                    r.num_cached_tokens,
+                    max(r.num_cached_tokens, min(r.num_external_tokens, len(r.prompt_token_ids))),
+                    times,
                 )
             )
         return outputs

@@ -64,7 +64,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    first_token_time: float | None = None
+    scheduled_time: float | None = None  # first admitted (blocks allocated): the end of its queueing
+    loaded_time: float | None = None  # its external KV arrived (consumer role)
+    first_token_time: float | None = None  # the first token this engine sampled for it
     block_hashes: list[bytes] = field(default_factory=list)  # keys of its full blocks, in order
     num_cached_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
@@ -96,6 +98,22 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTimes:
+    """Where a request's time went inside one engine before its first token, in seconds."""
+
+    queue: float  # arrival -> admitted
+    kv_load: float  # admitted -> external KV loaded (0 without a load)
+    prefill: float  # the end of those -> first token sampled
+
+    @classmethod
+    def of(cls, r: Request) -> RequestTimes:
+        scheduled = r.scheduled_time if r.scheduled_time is not None else r.arrival_time
+        loaded = r.loaded_time if r.loaded_time is not None else scheduled
+        first = r.first_token_time if r.first_token_time is not None else loaded
+        return cls(scheduled - r.arrival_time, loaded - scheduled, first - loaded)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: the delta, not the whole text."""
@@ -107,4 +125,5 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed here: cached in the engine or loaded from outside
+    times: RequestTimes | None = None  # on the first output this engine produced for the request

@@ -41,7 +41,7 @@ class Sampler:
         probs = filtered_probs(row / p.temperature, p)
         gen = self._unseeded
         if p.seed is not None:
-            gen = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + request.num_tokens)
+            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + request.num_tokens) % 2**64)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs).exponential_(generator=gen)
         return int((probs / noise).argmax())

@@ -16,6 +16,7 @@ loaded them (``finish_load``).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -190,6 +191,8 @@ class Scheduler:
                 return 0
         self.waiting.pop()
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
         return n
 
@@ -209,6 +212,8 @@ class Scheduler:
         if not self.kv.admit(request, external - cached, external):
             return False
         self.waiting.pop()
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         first = request.num_computed_tokens // self.kv.block_size
         num_blocks = cdiv(external, self.kv.block_size) - first
         if num_blocks == 0:
@@ -223,6 +228,8 @@ class Scheduler:
         """The request's external KV is in its blocks: it computes from there on."""
         if request.status is RequestStatus.WAITING_FOR_KV:
             self.loading.remove(request)
+        if request.loaded_time is None:
+            request.loaded_time = time.monotonic()
         request.num_computed_tokens = request.num_external_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -1,1 +1,1 @@
-"""Placeholder package; built by a later issue (see ARCHITECTURE.md)."""
+"""The public API: validation, routing, prefill -> first token -> decode orchestration, streaming."""

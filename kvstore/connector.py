@@ -34,9 +34,15 @@ class KVStoreConnector(KVConnector):
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
         self._thread.start()
         self.client: KVStoreClient = self._call(self._make_client(address)).result()
+        try:
+            self._call(self.client.connect()).result(timeout=15)
+        except Exception as exc:  # the store is not up yet: the first transfer connects instead
+            log.warning("could not open the data plane to %s yet: %s", address, exc)
         self._lock = threading.Lock()
         self._done: list[LoadResult] = []
-        self._saves: set[Future] = set()
+        self._saves: dict[Future, tuple[str, int]] = {}  # push -> (request id, blocks)
+        self._failed_blocks: dict[str, int] = {}  # per request not yet collected by ``wait_saved``
+        self._pulls = 0
         self.failed_saves = 0
 
     async def _make_client(self, address: str) -> KVStoreClient:
@@ -52,18 +58,68 @@ class KVStoreConnector(KVConnector):
         ]
         fut = self._call(self.client.push(blocks))
         with self._lock:
-            self._saves.add(fut)
+            self._saves[fut] = (request.request_id, len(blocks))
         fut.add_done_callback(self._saved)
 
     def _saved(self, fut: Future) -> None:
         with self._lock:
-            self._saves.discard(fut)
-        if fut.exception() is not None:  # the decode side will miss these blocks and recompute
-            self.failed_saves += 1
+            request_id, n = self._saves.pop(fut)
+            if fut.exception() is not None:  # the decode side will miss these blocks and recompute
+                self.failed_saves += 1
+                self._failed_blocks[request_id] = self._failed_blocks.get(request_id, 0) + n
+        if fut.exception() is not None:
             log.warning("KV push failed: %s", fut.exception())
 
+    @property
+    def num_pending_saves(self) -> int:
+        with self._lock:
+            return len(self._saves)
+
+    @property
+    def num_pending_loads(self) -> int:
+        with self._lock:
+            return self._pulls
+
+    async def wait_saved(self, request_id: str, timeout: float = 30.0) -> int:
+        """Wait (on the caller's loop) until the request's pushes so far are done; how many blocks failed.
+
+        A producer hands a request to decode only after this: its blocks are committed in the store.
+        """
+        with self._lock:
+            pending = [asyncio.wrap_future(f) for f, (rid, _) in self._saves.items() if rid == request_id]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        with self._lock:
+            failed = self._failed_blocks.pop(request_id, 0)
+        return failed + sum(n for f, (rid, n) in list(self._saves.items()) if rid == request_id)
+
+    def discard_request(self, request_id: str) -> None:
+        """Nobody will pull this request's partial blocks (it ended at its first token, or was
+        cancelled): drop them once its pushes have landed, instead of leaving them to the TTL."""
+        with self._lock:
+            pending = [f for f, (rid, _) in self._saves.items() if rid == request_id]
+            self._failed_blocks.pop(request_id, None)
+        self._call(self._discard(request_id, pending))
+
+    async def _discard(self, request_id: str, pending: list[Future]) -> None:
+        if pending:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=30)
+        with self._lock:
+            self._failed_blocks.pop(request_id, None)
+        try:
+            await self.client.drop_partials(request_id)
+        except Exception as exc:  # the store is gone: its partials went with it, or expire by TTL
+            log.warning("dropping the partial blocks of %s failed: %s", request_id, exc)
+
+    def request_finished(self, request: Request) -> None:
+        """A request that pushed blocks and will not be decoded elsewhere (it ended at its first token,
+        or was aborted) leaves no partial block behind. Called from the engine thread after the
+        request's last save, so its pushes are all known here."""
+        if request.num_saved_blocks and request.status.finish_reason != "prefilled":
+            self.discard_request(request.request_id)
+
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every push so far is committed (a producer answers only after this)."""
+        """Wait until every push so far is committed."""
         with self._lock:
             pending = list(self._saves)
         for fut in pending:
@@ -76,6 +132,8 @@ class KVStoreConnector(KVConnector):
         refs = [block_ref(request, i) for i in range(first_block, first_block + num_blocks)]
         keys = [r for r in refs if isinstance(r, bytes)]
         partials = [r for r in refs if not isinstance(r, bytes)]
+        with self._lock:
+            self._pulls += 1
         self._call(self._load(request.request_id, keys, partials, num_blocks))
 
     async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int) -> None:
@@ -92,6 +150,7 @@ class KVStoreConnector(KVConnector):
             result = LoadResult(request_id, None, f"KV pull failed: {exc}")
         with self._lock:
             self._done.append(result)
+            self._pulls -= 1
 
     def poll_loads(self) -> list[LoadResult]:
         with self._lock:

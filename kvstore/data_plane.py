@@ -26,10 +26,11 @@ MAX_BLOCKS_PER_TRANSFER = 1 << 16
 
 
 def _ucxx():
-    # ucxx sets a variable UCX 1.21 no longer knows, and UCX then warns on stdout; blocking progress
-    # is the mode that holds up on a busy 2-core machine (the default progress thread is slower).
+    # ucxx sets a variable UCX 1.21 no longer knows, and UCX then warns on stdout. Progress runs in
+    # ucxx's own thread: the "blocking" mode spins a core at 50-100% on an idle endpoint over TCP
+    # (its arm/progress loop never settles), which starves the engines on a small machine.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+    os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread")
     import ucxx
 
     return ucxx
@@ -103,6 +104,10 @@ class DataPlaneClient:
             ep = await _ucxx().create_endpoint(host, int(port), endpoint_error_handling=True)
             self._eps[address] = ep
         return ep
+
+    async def connect(self, address: str) -> None:
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            await self._endpoint(address)
 
     @contextlib.asynccontextmanager
     async def _transfer(self, address: str, op: int, slots: list[int]) -> AsyncIterator[object]:

@@ -267,6 +267,7 @@ class BlockPool:
                 "free_blocks": len(self._free),
                 "reserved_blocks": sum(len(r.slots) for r in self._reservations.values()),
                 "leased_blocks": sum(1 for e in self._stored.values() if e.leases),
+                "partial_blocks": sum(1 for e in self._stored.values() if isinstance(e.key, tuple)),
                 "active_leases": len(self._leases),
                 "active_reservations": len(self._reservations),
                 "evictions": self.stats.evictions,

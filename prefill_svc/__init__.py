@@ -1,1 +1,1 @@
-"""Placeholder package; built by a later issue (see ARCHITECTURE.md)."""
+"""Prefill worker: the engine in the producer role, pushing the prompt's KV to the kvstore."""

@@ -123,7 +123,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "block_bytes", "capacity_blocks", "stored_blocks", "free_blocks", "reserved_blocks", "leased_blocks", "active_leases", "active_reservations", "evictions", "lookups", "hit_blocks", "miss_blocks", "bytes_in", "bytes_out")
+    __slots__ = ("node_id", "block_bytes", "capacity_blocks", "stored_blocks", "free_blocks", "reserved_blocks", "leased_blocks", "active_leases", "active_reservations", "evictions", "lookups", "hit_blocks", "miss_blocks", "bytes_in", "bytes_out", "partial_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StatsResponse(_message.Message):
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     block_bytes: int
     capacity_blocks: int
@@ -154,4 +155,5 @@ class StatsResponse(_message.Message):
     miss_blocks: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, node_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    partial_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., partial_blocks: _Optional[int] = ...) -> None: ...

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 from tandem.settings import env_default
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+# `tandem serve NAME`: each service module has add_args(parser) and run(args).
+SERVICES = {
+    "gateway": ("gateway.server", "the public API: validation, routing, orchestration, streaming"),
+    "tokenizer": ("tokenizer_svc.server", "the tokenizer service (Tokenize with chat templates, Detokenize)"),
+    "prefill": ("prefill_svc.server", "a prefill worker: the engine as producer, pushing KV to the kvstore"),
+    "decode": ("decode_svc.server", "a decode worker: the engine as consumer (aggregated without --kvstore)"),
+    "kvstore": ("kvstore.server", "a KV block store node (gRPC control plane + UCX data plane)"),
+}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +42,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"),
                    choices=["auto", "torch", "sdpa", "flash_attn"])
     g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user set (values that differ from their defaults), as flags again: what
+    ``tandem up`` hands to its workers, which read the same defaults and TANDEM_* variables themselves."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    """What one Generate request asks for, shared by ``generate`` and ``up --generate``."""
+    g = p.add_argument_group("request")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--timeout", type=float, default=300.0, help="the call's deadline in seconds")
 
 
 def engine_config(args: argparse.Namespace):
@@ -75,23 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream an answer to a prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--local", action="store_true", help="run the engine in this process")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--local", action="store_true", help="run the engine in this process (engine flags apply)")
+    gen.add_argument("--gateway", default=env_default("--gateway", DEFAULT_GATEWAY),
+                     help=f"the gateway's address (default {DEFAULT_GATEWAY}; env TANDEM_GATEWAY)")
+    add_request_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    up = sub.add_parser("up", help="start the whole pipeline as local processes")
+    add_up_args(up)
+    add_engine_args(up)
+    up.set_defaults(func=_cmd_up)
+
     serve = sub.add_parser("serve", help="run one service in this process")
     serve_sub = serve.add_subparsers(dest="service", required=True)
-    kv = serve_sub.add_parser("kvstore", help="a KV block store node (gRPC control plane + UCX data plane)")
-    from kvstore.server import add_args as add_kvstore_args
-
-    add_kvstore_args(kv)
-    kv.set_defaults(func=_cmd_serve_kvstore)
+    for name, (module, help_text) in SERVICES.items():
+        svc = serve_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_args(svc)
+        svc.set_defaults(func=_cmd_serve, module=module)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -101,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_args(offline)
     add_engine_args(offline)
     offline.set_defaults(func=_cmd_bench_offline)
+    pipe = bench_sub.add_parser("pipeline", help="the gRPC pipeline against the engine in-process, at low load")
+    from tandem.bench.pipeline import add_args as add_pipeline_args
+
+    add_pipeline_args(pipe)
+    add_engine_args(pipe)
+    pipe.set_defaults(func=_cmd_bench_pipeline)
     kv_bench = bench_sub.add_parser("kv", help="kvstore push/pull against memcpy and gRPC bytes, cross-process")
     from tandem.bench.kv import add_args as add_kv_args
 
@@ -121,18 +170,93 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default=env_default("--mode", "disaggregated"), choices=["disaggregated", "aggregated"])
+    # No TANDEM_* defaults for the counts: the gateway reads those names as address lists.
+    p.add_argument("--prefill-workers", type=int, default=1, help="how many (disaggregated mode only)")
+    p.add_argument("--decode-workers", type=int, default=1, help="how many")
+    p.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address every service binds")
+    p.add_argument("--port", type=int, default=env_default("--port", None, int),
+                   help="the gateway's port (default 50051; with --generate a free one; 0: a free one)")
+    p.add_argument("--kv-capacity-gb", type=float, default=env_default("--kv-capacity-gb", 1.0),
+                   help="the kvstore's block pool")
+    p.add_argument("--redis-url", default=env_default("--redis-url", None, str),
+                   help="share the kvstore index through Redis (default: embedded)")
+    p.add_argument("--log-dir", type=Path, default=env_default("--log-dir", None, Path),
+                   help="where each service's log goes (default: a fresh folder under $TANDEM_HOME/logs)")
+    p.add_argument("--startup-timeout", type=float, default=env_default("--startup-timeout", 180.0),
+                   help="seconds each start stage may take")
+    for kind in ("kvstore", "tokenizer", "prefill", "decode", "gateway"):
+        p.add_argument(f"--{kind}-args", default="", metavar="FLAGS",
+                       help=f"extra flags for the {kind} service(s), one shell-quoted string")
+    p.add_argument("--generate", metavar="PROMPT", default=None,
+                   help="stream one answer through the gateway, then stop everything (exit: the client's code)")
+    add_request_args(p)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        print("tandem generate: the gRPC pipeline is not built yet; use --local to run the engine in-process",
-              file=sys.stderr)
-        return 2
-    from tandem.local_generate import generate_local
+    if args.local:
+        from tandem.local_generate import generate_local
 
-    return generate_local(args)
+        return generate_local(args)
+    return _generate_remote(args, args.gateway)
 
 
-def _cmd_serve_kvstore(args: argparse.Namespace) -> int:
-    from kvstore.server import run
+def _generate_remote(args: argparse.Namespace, address: str) -> int:
+    from tandem.client import build_request, generate_to_terminal
+
+    request = build_request(args.prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    return generate_to_terminal(address, request, args.timeout)
+
+
+def _cluster_config(args: argparse.Namespace):
+    import shlex
+
+    from tandem.launcher import ClusterConfig
+
+    port = args.port if args.port is not None else (0 if args.generate else 50051)
+    extra = {kind: shlex.split(getattr(args, f"{kind}_args")) for kind in
+             ("kvstore", "tokenizer", "prefill", "decode", "gateway")}
+    return ClusterConfig(mode=args.mode, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                         host=args.host, gateway_port=port, engine_args=engine_flags(args),
+                         kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis_url,
+                         extra_args={k: v for k, v in extra.items() if v}, log_dir=args.log_dir,
+                         startup_timeout=args.startup_timeout)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import time
+
+    from tandem.launcher import Cluster, LaunchError, format_table, serve_until_signal
+
+    out = sys.stderr if args.generate else sys.stdout  # with --generate, stdout is the answer alone
+    start = time.perf_counter()
+    cluster = Cluster(_cluster_config(args))
+    print(f"tandem up: starting ({args.mode}), logs in {cluster.log_dir}", file=out, flush=True)
+    try:
+        cluster.start()
+        cluster.wait_healthy(timeout=30)
+    except LaunchError as exc:
+        cluster.stop()
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    with cluster:
+        print(format_table(cluster), file=out)
+        print(f"ready in {time.perf_counter() - start:.1f} s; gateway at {cluster.gateway.address}", file=out,
+              flush=True)
+        if args.generate is None:
+            return serve_until_signal(cluster, sys.stderr)
+        args.prompt = args.generate
+        return _generate_remote(args, cluster.gateway.address)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    return importlib.import_module(args.module).run(args)
+
+
+def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from tandem.bench.pipeline import run
 
     return run(args)
 
@@ -153,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        return 130
     except (ValueError, FileNotFoundError) as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,30 @@ def test_generate_local_streams_the_answer(default_model):
     assert "finish=" in proc.stderr
 
 
-def test_generate_without_local_says_what_to_do():
-    proc = run("generate", "hello")
-    assert proc.returncode == 2 and "--local" in proc.stderr
+def test_generate_without_a_gateway_says_what_to_do():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run("generate", "hello", "--gateway", f"127.0.0.1:{port}", "--timeout", "10")
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr and "tandem up" in proc.stderr
+
+
+def test_up_generate_is_the_main_job(default_model, tmp_path):
+    """`make run`: the whole pipeline as processes, one streamed answer, then nothing left running."""
+    proc = run("up", "--generate", "What is the capital of France?", "--max-tokens", "32", "--model",
+               str(default_model), "--num-threads", "1", "--kv-cache-gb", "0.25", "--log-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "ttft" in proc.stderr
+    pids = [int(line.split()[2]) for line in proc.stderr.splitlines() + proc.stdout.splitlines()
+            if line.split()[:1] and line.split()[0] in ("kvstore", "tokenizer", "prefill-0", "decode-0", "gateway")
+            and len(line.split()) >= 4 and line.split()[2].isdigit()]
+    assert len(pids) == 5
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"process {pid} outlived `tandem up`")
 
 
 def test_bad_sampling_flag_is_a_clear_error(default_model):

@@ -1,0 +1,96 @@
+"""``tandem serve decode``: continuous-batching decode that pulls the prompt's KV from the kvstore.
+
+A request arrives with the prefill's first token and a handoff naming its blocks;
+the engine (consumer role) admits it when blocks are free, pulls them, and the
+worker streams one message per step. Without ``--kvstore`` the worker is
+aggregated: it prefills requests itself (chunked, mixed into decode steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from engine.block_hash import prompt_block_hashes
+from engine.request import RequestOutput
+from protos import worker_pb2 as wpb
+from tandem import worker
+from tandem.pb_convert import finish_reason, token_output
+
+log = logging.getLogger("tandem.decode")
+
+
+class DecodeServicer(worker.WorkerServicer):
+    @property
+    def role(self) -> str:
+        return "decode" if self.connector is not None else "aggregated"
+
+    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
+        params = await self._params(request.sampling, len(prompt), context)
+        salt = request.cache_salt or None
+        extra = {"cache_salt": salt, "output_token_ids": outputs}
+        if request.HasField("handoff"):
+            extra["num_external_tokens"] = await self._external_tokens(request, prompt, salt, context)
+        first = True
+        async for out in self._outputs(context, prompt, params, request.request_id, request.priority, **extra):
+            yield _message(out, first)
+            first = False
+
+    async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], salt: str | None,
+                               context: grpc.aio.ServicerContext) -> int:
+        """How many leading tokens to pull: the handed-off prompt, unless its blocks are not ours."""
+        if self.connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this aggregated worker has no kvstore: send the request without a handoff")
+        handoff = request.handoff
+        if handoff.num_tokens != len(prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the handoff covers {handoff.num_tokens} tokens, the prompt has {len(prompt)}")
+        mine = prompt_block_hashes(self.core.fingerprint, prompt, self.core.config.block_size, salt)
+        if list(handoff.block_keys) != mine:
+            # Another model, dtype or block size produced them: pulling would load foreign bytes.
+            log.warning("request %s: the prefill's block keys are not this worker's; recomputing the prompt",
+                        request.request_id)
+            return 0
+        return len(prompt)
+
+
+def _message(out: RequestOutput, first: bool) -> wpb.DecodeResponse:
+    msg = wpb.DecodeResponse(
+        output=token_output(out.new_token_ids, out.new_logprobs),
+        finish_reason=finish_reason(out.finish_reason),
+    )
+    if first:
+        msg.num_cached_tokens = out.num_cached_tokens
+        if out.times is not None:
+            msg.queue_ms = worker.ms(out.times.queue)
+            msg.kv_pull_ms = worker.ms(out.times.kv_load)
+            msg.prefill_ms = worker.ms(out.times.prefill)
+    return msg
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    worker.add_worker_args(p, kvstore_required=False)
+
+
+def make_servicer(args: argparse.Namespace) -> DecodeServicer:
+    engine, connector = worker.build_engine(args, role="consumer" if args.kvstore else "both")
+    return DecodeServicer(engine, connector, args.kvstore or "", args.max_waiting)
+
+
+def run(args: argparse.Namespace) -> int:
+    return worker.run("decode", args, make_servicer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem serve decode")
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,336 @@
+"""One Generate call, end to end: tokenize -> route -> prefill -> first token -> decode -> stream.
+
+Disaggregated: a prefill worker answers with the first token (streamed to the
+client at once) and then the handoff naming the prompt's blocks in the kvstore;
+a decode worker pulls them and streams the rest. Aggregated: one decode worker
+does both. A prefill worker that dies before answering is replaced by another
+(the request is re-sent under a fresh attempt id); a decode worker that dies
+before its first message likewise; one that dies mid-stream ends the call with
+UNAVAILABLE. However the call ends, downstream calls are cancelled (aborting
+the request in the workers) and request-scoped blocks are dropped from the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_hash import prompt_block_hashes
+from gateway.detokenizer import RemoteDetokenizer
+from gateway.stop_strings import StopMatcher
+from gateway.validation import ValidRequest
+from gateway.workers import DECODE_STREAM_COST, WorkerClient
+from protos import common_pb2 as cpb
+from protos import gateway_pb2 as gpb
+from protos import worker_pb2 as wpb
+from tandem.pb_convert import sampling_to_pb
+
+MAX_ATTEMPTS = 3  # per phase: a request tries at most this many workers
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class GenerationError(Exception):
+    """Ends the call with ``code``; raised for downstream failures the client should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def downstream_error(hop: str, exc: grpc.aio.AioRpcError) -> GenerationError:
+    """A downstream status passed on, with the hop that gave it."""
+    code = exc.code()
+    if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.FAILED_PRECONDITION):
+        code = grpc.StatusCode.INTERNAL
+    return GenerationError(code, f"{hop}: {exc.details()}")
+
+
+@dataclass(slots=True)
+class Clock:
+    """Marks on the gateway's clock, in seconds since the call arrived."""
+
+    start: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic() - self.start
+
+    def ms(self, name: str, since: str | None = None) -> float:
+        end = self.marks.get(name, 0.0)
+        return 1000.0 * (end - (self.marks.get(since, 0.0) if since else 0.0))
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the gateway knows of a request once it is tokenized and routed."""
+
+    valid: ValidRequest
+    prompt: list[int]
+    keys: list[bytes]
+    stored_blocks: int
+    cache_salt: str
+    priority: int
+    base_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+class Output:
+    """Turns workers' tokens into client messages: text deltas, stop strings, usage and timings."""
+
+    def __init__(self, request_id: str, detok: RemoteDetokenizer, stop: StopMatcher, prompt_len: int,
+                 stop_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.stop_token_ids = set(stop_token_ids)
+        self.detok = detok
+        self.stop = stop
+        self.prompt_len = prompt_len
+        self.num_tokens = 0
+        self.last_token: int | None = None
+        self.cached_tokens = 0
+        self.finished = False
+
+    async def message(self, out: cpb.TokenOutput, finish: int) -> gpb.GenerateResponse:
+        ids = list(out.token_ids)
+        self.num_tokens += len(ids)
+        self.last_token = ids[-1] if ids else self.last_token
+        done = finish not in (cpb.FINISH_REASON_UNSPECIFIED, cpb.FINISH_REASON_PREFILLED)
+        text = self.stop.push(await self.detok.push(ids, finish=done))
+        if self.stop.matched is not None:
+            done, finish = True, cpb.FINISH_REASON_STOP
+        elif done:
+            text += self.stop.flush()
+        msg = gpb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, logprobs=out.logprobs)
+        if done:
+            self.finished = True
+            msg.finish_reason = finish
+            msg.stop_reason = self._stop_reason(finish)
+            msg.usage.CopyFrom(cpb.Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_tokens,
+                                         cached_tokens=self.cached_tokens))
+        return msg
+
+    def _stop_reason(self, finish: int) -> str:
+        """The stop string or stop token id that ended it; empty for an end-of-sequence token (as vLLM)."""
+        if self.stop.matched is not None:
+            return self.stop.matched
+        if finish == cpb.FINISH_REASON_STOP and self.last_token in self.stop_token_ids:
+            return str(self.last_token)
+        return ""
+
+
+class Generation:
+    """The steps of one call; ``core`` is the gateway (pool, stubs, counters, limits)."""
+
+    def __init__(self, core, plan: Plan, output: Output, context: grpc.aio.ServicerContext, clock: Clock) -> None:
+        self.core = core
+        self.plan = plan
+        self.out = output
+        self.context = context
+        self.clock = clock
+        self.timings = cpb.Timings()
+        self.prefill_worker = ""
+        self.decode_worker = ""
+        self.partial_ids: list[str] = []  # attempt ids whose partial blocks may sit in the store
+
+    def timeout(self) -> float | None:
+        return self.context.time_remaining()
+
+    async def run(self) -> AsyncIterator[gpb.GenerateResponse]:
+        if self.core.aggregated:
+            stream = self._decode(self.plan.base_id, [], None)
+        else:
+            stream = self._disaggregated()
+        async with contextlib.aclosing(stream):
+            async for msg in stream:
+                if "first_token" not in self.clock.marks:
+                    self.clock.mark("first_token")
+                if self.out.finished:
+                    self._finish(msg)
+                yield msg
+                if self.out.finished:
+                    return
+
+    async def _disaggregated(self) -> AsyncIterator[gpb.GenerateResponse]:
+        worker, call, first, rid = await self._prefill()
+        try:
+            self.out.cached_tokens = first.num_cached_tokens
+            self.timings.prefill_queue_ms, self.timings.prefill_compute_ms = first.queue_ms, first.compute_ms
+            yield await self.out.message(first.output, first.finish_reason)
+            if self.out.finished:
+                return
+            handoff = await self._handoff(call)
+        finally:
+            call.cancel()
+        decode = self._decode(rid, list(first.output.token_ids), handoff)
+        async with contextlib.aclosing(decode):
+            async for msg in decode:
+                yield msg
+
+    async def _prefill(self) -> tuple[WorkerClient, object, wpb.PrefillResponse, str]:
+        """The first token from a prefill worker, retrying on another one if it dies or is full."""
+        pool, plan, tried, last = self.core.pool, self.plan, [], None
+        for attempt in range(MAX_ATTEMPTS):
+            picked = pool.pick(pool.prefill, plan.keys, plan.stored_blocks, len(plan.prompt), 0, tried)
+            if picked is None:
+                break
+            worker, new_tokens = picked
+            tried.append(worker)
+            rid = f"{plan.base_id}-p{attempt}"
+            self.partial_ids.append(rid)
+            if attempt == 0:
+                self.clock.mark("routed")
+            else:
+                self.core.prefill_retries += 1
+            call = worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout())
+            worker.inflight += 1
+            worker.pending_prompt_tokens += new_tokens
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise downstream_error(f"prefill worker {worker.address}", exc) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_down(exc.details() or "unavailable")
+                last = exc
+                continue
+            except BaseException:  # cancelled by the client, or the deadline: abort it in the worker too
+                call.cancel()
+                raise
+            finally:
+                worker.inflight -= 1
+                worker.pending_prompt_tokens -= new_tokens
+            if first is grpc.aio.EOF:
+                call.cancel()
+                raise GenerationError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} sent nothing")
+            worker.affinity.insert(plan.keys)
+            self.prefill_worker = worker.address
+            return worker, call, first, rid
+        raise self._no_worker("prefill", last)
+
+    def _prefill_request(self, rid: str) -> wpb.PrefillRequest:
+        p = self.plan
+        return wpb.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=p.prompt,
+            sampling=sampling_to_pb(p.valid.params),
+            cache_salt=p.cache_salt,
+            priority=p.priority,
+            num_stored_tokens=p.stored_blocks * self.core.block_size,
+        )
+
+    async def _handoff(self, call) -> cpb.KVHandoff | None:
+        """Where the prompt's blocks are; None if the prefill worker died first (decode then recomputes)."""
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise downstream_error("prefill worker", exc) from exc
+            return None
+        if msg is grpc.aio.EOF:
+            return None
+        self.timings.kv_push_ms = msg.kv_push_ms
+        return msg.handoff
+
+    async def _decode(
+        self, rid: str, outputs: list[int], handoff: cpb.KVHandoff | None
+    ) -> AsyncIterator[gpb.GenerateResponse]:
+        """Stream from a decode worker; another one takes over only if the first sent nothing."""
+        pool, plan, tried, last = self.core.pool, self.plan, [], None
+        prefills = handoff is None and not outputs  # aggregated: the worker computes the prompt
+        for _ in range(MAX_ATTEMPTS):
+            picked = pool.pick(pool.decode, plan.keys, 0, len(plan.prompt) if prefills else 0,
+                               DECODE_STREAM_COST if prefills else 1, tried)
+            if picked is None:
+                break
+            worker, new_tokens = picked
+            tried.append(worker)
+            if prefills and len(tried) == 1:
+                self.clock.mark("routed")
+            request = self._decode_request(rid, outputs, handoff)
+            worker.inflight += 1
+            worker.pending_prompt_tokens += new_tokens
+            call = worker.stub.Decode(request, timeout=self.timeout())
+            received = 0
+            try:
+                async for msg in call:
+                    if received == 0:
+                        worker.pending_prompt_tokens -= new_tokens
+                        new_tokens = 0
+                        self._decode_started(worker, msg, prefills)
+                    received += 1
+                    yield await self.out.message(msg.output, msg.finish_reason)
+                    if self.out.finished:
+                        return
+                raise GenerationError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended the "
+                                      "stream without a finish reason")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise downstream_error(f"decode worker {worker.address}", exc) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_down(exc.details() or "unavailable")
+                if received:
+                    raise GenerationError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {worker.address} failed mid-stream after {self.out.num_tokens} tokens: "
+                        f"{exc.details()}",
+                    ) from exc
+                last = exc
+            finally:
+                worker.inflight -= 1
+                worker.pending_prompt_tokens -= new_tokens
+                call.cancel()
+        raise self._no_worker("decode", last)
+
+    def _decode_request(self, rid: str, outputs: list[int], handoff: cpb.KVHandoff | None) -> wpb.DecodeRequest:
+        p = self.plan
+        req = wpb.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=p.prompt,
+            sampling=sampling_to_pb(p.valid.params),
+            cache_salt=p.cache_salt,
+            priority=p.priority,
+            output_token_ids=outputs,
+        )
+        if handoff is not None:
+            req.handoff.CopyFrom(handoff)
+        return req
+
+    def _decode_started(self, worker: WorkerClient, msg: wpb.DecodeResponse, prefills: bool) -> None:
+        self.decode_worker = worker.address
+        self.timings.decode_queue_ms, self.timings.kv_pull_ms = msg.queue_ms, msg.kv_pull_ms
+        if prefills:
+            worker.affinity.insert(self.plan.keys)
+            self.out.cached_tokens = msg.num_cached_tokens
+            self.timings.prefill_queue_ms, self.timings.prefill_compute_ms = msg.queue_ms, msg.prefill_ms
+            self.timings.decode_queue_ms = 0.0
+
+    def _no_worker(self, phase: str, last: grpc.aio.AioRpcError | None) -> GenerationError:
+        if last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return GenerationError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {phase} worker is full: "
+                                   f"{last.details()}")
+        detail = f" (last error: {last.details()})" if last is not None else ""
+        return GenerationError(grpc.StatusCode.UNAVAILABLE, f"no {phase} worker is available{detail}")
+
+    def _finish(self, msg: gpb.GenerateResponse) -> None:
+        t, c = self.timings, self.clock
+        c.mark("end")
+        t.tokenize_ms, t.route_ms = c.ms("tokenized"), c.ms("routed", "tokenized")
+        t.ttft_ms = c.ms("first_token")
+        t.first_token_ms = max(0.0, t.ttft_ms - t.tokenize_ms - t.route_ms - t.prefill_queue_ms
+                               - t.prefill_compute_ms)
+        t.queue_ms = t.prefill_queue_ms + t.decode_queue_ms
+        t.prefill_ms = t.prefill_compute_ms
+        t.kv_transfer_ms = t.kv_push_ms + t.kv_pull_ms
+        t.e2e_ms = c.ms("end")
+        msg.timings.CopyFrom(t)
+        msg.prefill_worker, msg.decode_worker = self.prefill_worker, self.decode_worker
+
+
+def plan_keys(fingerprint: bytes, prompt: list[int], block_size: int, salt: str) -> list[bytes]:
+    return prompt_block_hashes(fingerprint, prompt, block_size, salt or None)

@@ -1,0 +1,108 @@
+"""``tandem serve prefill``: computes prompts' KV, pushes it to the kvstore, answers with the first token.
+
+The prompt's leading blocks that the kvstore already holds (the gateway's Lookup)
+are pulled instead of computed; every new block is pushed as soon as its chunk is
+done, so only the last chunk's push is left when the first token is sampled. The
+first token goes out at once; the handoff follows when the last blocks are
+committed, so the push never delays time-to-first-token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import grpc
+
+from engine.block_hash import prompt_block_hashes
+from engine.request import RequestOutput
+from protos import common_pb2 as cpb
+from protos import worker_pb2 as wpb
+from tandem import worker
+from tandem.pb_convert import finish_reason, token_output
+
+
+class PrefillServicer(worker.WorkerServicer):
+    role = "prefill"
+
+    async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        prompt = list(request.prompt_token_ids)
+        params = await self._params(request.sampling, len(prompt), context)
+        rid, salt = request.request_id, request.cache_salt or None
+        handed_off = False
+        try:
+            out = await self._prefill(context, prompt, params, rid, request.priority, salt,
+                                      self._stored_tokens(request.num_stored_tokens, len(prompt)))
+            sampled = time.monotonic()
+            yield _first_message(out)
+            if out.finish_reason != "prefilled":
+                return
+            failed = await self.connector.wait_saved(rid)
+            yield wpb.PrefillResponse(
+                handoff=self._handoff(prompt, salt, failed), kv_push_ms=worker.ms(time.monotonic() - sampled)
+            )
+            handed_off = True
+        finally:
+            if not handed_off:
+                # Nobody will pull its partial block: drop it once the engine is done with the request,
+                # i.e. after the step that may still be pushing it (the abort is applied between steps).
+                self.engine.abort(rid).add_done_callback(lambda _: self.connector.discard_request(rid))
+
+    async def _prefill(self, context: grpc.aio.ServicerContext, prompt: list[int], params, rid: str, priority: int,
+                       salt: str | None, stored: int) -> RequestOutput:
+        last = None
+        async for out in self._outputs(context, prompt, params, rid, priority, cache_salt=salt,
+                                       num_external_tokens=stored):
+            last = out
+        assert last is not None and last.finished, "a producer's request ends with its first token"
+        return last
+
+    def _stored_tokens(self, hint: int, prompt_len: int) -> int:
+        """Whole stored blocks to pull, leaving at least the last token to compute."""
+        bs = self.core.config.block_size
+        return min(hint, prompt_len - 1) // bs * bs
+
+    def _handoff(self, prompt: list[int], salt: str | None, failed: int) -> cpb.KVHandoff:
+        bs = self.core.config.block_size
+        return cpb.KVHandoff(
+            kvstore_address=self.kvstore_address,
+            num_tokens=len(prompt),
+            block_keys=prompt_block_hashes(self.core.fingerprint, prompt, bs, salt),
+            has_partial=len(prompt) % bs != 0,
+            blocks_failed=failed,
+        )
+
+
+def _first_message(out: RequestOutput) -> wpb.PrefillResponse:
+    times = out.times
+    return wpb.PrefillResponse(
+        output=token_output(out.new_token_ids, out.new_logprobs),
+        finish_reason=finish_reason(out.finish_reason),
+        num_cached_tokens=out.num_cached_tokens,
+        queue_ms=worker.ms(times.queue) if times else 0.0,
+        compute_ms=worker.ms(times.kv_load + times.prefill) if times else 0.0,
+    )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    worker.add_worker_args(p, kvstore_required=True)
+
+
+def make_servicer(args: argparse.Namespace) -> PrefillServicer:
+    engine, connector = worker.build_engine(args, role="producer")
+    return PrefillServicer(engine, connector, args.kvstore, args.max_waiting)
+
+
+def run(args: argparse.Namespace) -> int:
+    return worker.run("prefill", args, make_servicer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem serve prefill")
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""A client of the gateway: ``stream_generate`` for programs (benchmarks, tests) and the
+terminal printer behind ``tandem generate``.
+
+Everything here speaks only the public API (protos/gateway.proto), so it works the same
+against ``tandem up`` on a laptop and a gateway in a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import grpc
+
+from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
+from tandem.service import channel
+
+FINISH_PREFIX = "FINISH_REASON_"
+
+
+def build_request(
+    prompt: str,
+    *,
+    raw: bool = False,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    request_id: str = "",
+) -> gateway_pb2.GenerateRequest:
+    """A Generate request: the prompt as one user chat message (``raw``: as plain text); None leaves a
+    sampling field unset so the server's default applies."""
+    sampling = common_pb2.SamplingParams()
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, stop=list(stop))
+    if raw:
+        request.prompt = prompt
+    else:
+        request.chat.CopyFrom(tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user",
+                                                                                             content=prompt)]))
+    return request
+
+
+async def stream_generate(
+    target: str | grpc.aio.Channel,
+    request: gateway_pb2.GenerateRequest,
+    *,
+    timeout: float | None = None,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Yield the gateway's responses to ``request`` as they arrive.
+
+    ``target`` is an address (a channel is opened and closed here) or a channel the caller
+    reuses across calls (benchmarks). ``timeout`` is the call's deadline in seconds. Leaving
+    the loop early, or cancelling the task, cancels the RPC, which frees the request's blocks
+    along the whole chain; wrap in ``contextlib.aclosing`` to make that happen at once on ``break``.
+    Errors are raised as ``grpc.aio.AioRpcError``.
+    """
+    owned = channel(target) if isinstance(target, str) else None
+    call = gateway_pb2_grpc.GatewayStub(owned or target).Generate(request, timeout=timeout, metadata=metadata)
+    try:
+        async for response in call:
+            yield response
+    finally:
+        call.cancel()  # a no-op once the stream has ended
+        if owned is not None:
+            await owned.close()
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What the client itself saw, for when the server's timings are missing."""
+
+    start: float
+    first: float | None = None
+    end: float | None = None
+    tokens: int = 0
+
+
+def finish_name(reason: int) -> str:
+    """``FINISH_REASON_LENGTH`` -> ``length``."""
+    return common_pb2.FinishReason.Name(reason).removeprefix(FINISH_PREFIX).lower()
+
+
+def _ttft_breakdown(t: common_pb2.Timings) -> str:
+    parts = [("tokenize", t.tokenize_ms), ("route", t.route_ms), ("prefill queue", t.prefill_queue_ms),
+             ("prefill", t.prefill_compute_ms or t.prefill_ms), ("kv push", t.kv_push_ms),
+             ("first token", t.first_token_ms)]
+    shown = [f"{name} {ms:.0f}" for name, ms in parts if ms > 0]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
+def format_summary(last: gateway_pb2.GenerateResponse | None, stats: StreamStats) -> str:
+    """One line for stderr: tokens, finish reason, TTFT and its breakdown, decode speed."""
+    usage, t = (last.usage, last.timings) if last is not None else (common_pb2.Usage(), common_pb2.Timings())
+    tokens = usage.completion_tokens or stats.tokens
+    ttft_ms = t.ttft_ms or ((stats.first - stats.start) * 1000 if stats.first else float("nan"))
+    e2e_ms = t.e2e_ms or (((stats.end or time.perf_counter()) - stats.start) * 1000)
+    decode_s = (e2e_ms - ttft_ms) / 1000
+    tps = (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else float("nan")
+    finish = finish_name(last.finish_reason) if last is not None else "none"
+    if last is not None and last.stop_reason:
+        finish += f" ({last.stop_reason!r})"
+    items = [f"{tokens} tokens", f"finish={finish}", f"ttft {ttft_ms:.0f} ms{_ttft_breakdown(t)}"]
+    if t.kv_pull_ms or t.decode_queue_ms:
+        items.append(f"kv pull {t.kv_pull_ms:.0f} ms, decode queue {t.decode_queue_ms:.0f} ms")
+    items += [f"{tps:.1f} tok/s decode", f"e2e {e2e_ms:.0f} ms"]
+    if usage.prompt_tokens:
+        items.append(f"prompt {usage.prompt_tokens} ({usage.cached_tokens} cached)")
+    return "[" + ", ".join(items) + "]"
+
+
+async def print_stream(
+    address: str, request: gateway_pb2.GenerateRequest, timeout: float, out: TextIO, err: TextIO
+) -> int:
+    """Stream the answer's text to ``out`` and the summary to ``err``; the exit code (1 on an RPC error)."""
+    stats = StreamStats(start=time.perf_counter())
+    last = None
+    try:
+        async for response in stream_generate(address, request, timeout=timeout):
+            stats.first = stats.first or time.perf_counter()
+            stats.tokens += len(response.token_ids)
+            out.write(response.text)
+            out.flush()
+            last = response
+    except grpc.aio.AioRpcError as exc:
+        if stats.first:
+            out.write("\n")
+        print(f"tandem generate: {exc.code().name}: {exc.details()}{_hint(exc, address)}", file=err)
+        return 1
+    stats.end = time.perf_counter()
+    out.write("\n")
+    out.flush()
+    print(format_summary(last, stats), file=err)
+    return 0
+
+
+def _hint(exc: grpc.aio.AioRpcError, address: str) -> str:
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    return f" (is a gateway running at {address}? start one with `tandem up`, or use --local)"
+
+
+def generate_to_terminal(
+    address: str,
+    request: gateway_pb2.GenerateRequest,
+    timeout: float = 300.0,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``tandem generate`` without --local; Ctrl-C cancels the call (exit code 130)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        return asyncio.run(print_stream(address, request, timeout, out, err))
+    except KeyboardInterrupt:
+        print("\ntandem generate: cancelled", file=err)
+        return 130

@@ -1,0 +1,206 @@
+"""What the prefill and decode workers share: the engine in its role behind an ``AsyncEngine``,
+the ``Info`` and ``Stats`` RPCs, error mapping, and the process entry point.
+
+A worker is a thin shell: it converts protobuf at the edge, hands the request to
+the engine, and turns the engine's outputs into messages. Requests end in the
+engine however the call ends (finished, cancelled, deadline, client gone),
+because ``AsyncEngine.generate`` aborts on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from protos import common_pb2 as cpb
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+from tandem.pb_convert import sampling_from_pb
+from tandem.service import Service, announce, setup_logging, start_server, stop_signal
+from tandem.settings import env_default
+
+if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays for it, not `tandem --help`
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerServicer(wpb_grpc.WorkerServicer):
+    """Info, Stats and the shared plumbing; a subclass serves Prefill or Decode."""
+
+    role = "worker"
+
+    def __init__(self, engine: AsyncEngine, connector: Any, kvstore_address: str, max_waiting: int) -> None:
+        self.engine = engine
+        self.core: Engine = engine.engine
+        self.connector = connector  # a KVStoreConnector, or None in aggregated mode
+        self.kvstore_address = kvstore_address
+        self.max_waiting = max_waiting
+        self.active_rpcs = 0
+        self.requests_total = 0
+
+    async def Info(self, request: wpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerInfoResponse:
+        cfg, mc = self.core.config, self.core.model_config
+        return wpb.WorkerInfoResponse(
+            role=self.role,
+            model=Path(cfg.model).name,
+            model_fingerprint=self.core.fingerprint,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            vocab_size=mc.vocab_size,
+            dtype=cfg.dtype,
+            kvstore_address=self.kvstore_address,
+            eos_token_ids=mc.eos_token_ids,
+            num_kv_blocks=self.core.num_total_blocks,
+        )
+
+    async def Stats(
+        self, request: wpb.WorkerStatsRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.WorkerStatsResponse:
+        # Read from the event loop while the engine thread steps: each figure is one attribute read
+        # (atomic under the GIL), so a snapshot may mix two steps but never breaks the engine.
+        s, stats = self.core.scheduler, self.core.stats
+        total = self.core.num_total_blocks
+        return wpb.WorkerStatsResponse(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_loading=len(s.loading),
+            num_requests=s.num_unfinished,
+            active_rpcs=self.active_rpcs,
+            used_kv_blocks=total - self.core.num_free_blocks,
+            total_kv_blocks=total,
+            pending_kv_pushes=self.connector.num_pending_saves if self.connector else 0,
+            pending_kv_pulls=self.connector.num_pending_loads if self.connector else 0,
+            requests_total=self.requests_total,
+            prompt_tokens_computed=stats.prompt_tokens_computed,
+            generation_tokens=stats.generation_tokens,
+            kv_blocks_saved=stats.kv_blocks_saved,
+            kv_blocks_loaded=stats.kv_blocks_loaded,
+            kv_load_failures=stats.kv_load_failures,
+            prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
+            num_preemptions=stats.num_preemptions,
+            queued_prompt_tokens=_queued_prompt_tokens(self.core),
+        )
+
+    async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} worker: it does not prefill")
+
+    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} worker: it does not decode")
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse at the door when the queue is full: the gateway tries another worker."""
+        if len(self.core.scheduler.waiting) >= self.max_waiting:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.role} worker queue is full ({self.max_waiting} waiting)"
+            )
+
+    async def _params(
+        self, p: cpb.SamplingParams, prompt_len: int, context: grpc.aio.ServicerContext
+    ) -> SamplingParams:
+        try:
+            return sampling_from_pb(p, max(1, self.core.config.max_model_len - prompt_len))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _outputs(
+        self, context: grpc.aio.ServicerContext, prompt: list[int], params: SamplingParams, request_id: str,
+        priority: int, **extra: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one call, counted in Stats; bad input is INVALID_ARGUMENT."""
+        self.active_rpcs += 1
+        self.requests_total += 1
+        try:
+            stream = self.engine.generate(prompt, params, request_id, priority, **extra)
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield out
+        except (ValueError, TypeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # the engine step failed: a bug, not the caller's fault
+            log.exception("request %s failed in the engine", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            self.active_rpcs -= 1
+
+
+def _queued_prompt_tokens(engine: Engine) -> int:
+    """Prompt tokens the engine still has to compute: the load a gateway balances on."""
+    s = engine.scheduler
+    for _ in range(3):  # the engine thread may change a queue while we walk it: read again
+        try:
+            waiting = sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting))
+            running = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(s.running))
+            return waiting + running
+        except RuntimeError:
+            continue
+    return 0
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000.0
+
+
+def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
+    from tandem.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("worker")
+    g.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address to bind")
+    g.add_argument("--port", type=int, default=env_default("--port", 0), help="gRPC port (0: pick a free one)")
+    help_kv = "the kvstore node's gRPC address" + ("" if kvstore_required else " (none: aggregated mode)")
+    g.add_argument("--kvstore", default=env_default("--kvstore", None, str), required=kvstore_required and
+                   env_default("--kvstore", None, str) is None, help=help_kv)
+    g.add_argument("--max-waiting", type=int, default=env_default("--max-waiting", 1024),
+                   help="requests queued in the engine beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+
+
+def build_engine(args: argparse.Namespace, role: str) -> tuple[AsyncEngine, Any]:
+    """The engine in ``role`` with a kvstore connector when ``--kvstore`` is given."""
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
+    from tandem.cli import engine_config
+
+    config = engine_config(args)
+    config.role = role
+    connector = None
+    if args.kvstore:
+        from kvstore.connector import KVStoreConnector
+
+        connector = KVStoreConnector(args.kvstore, config)
+    return AsyncEngine(Engine(config, connector)), connector
+
+
+async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace) -> None:
+    server = await start_server(
+        [Service(wpb.DESCRIPTOR.services_by_name["Worker"].full_name, wpb_grpc.add_WorkerServicer_to_server,
+                 servicer)],
+        args.host,
+        args.port,
+    )
+    stop = stop_signal()
+    announce(name, grpc=f"{args.host}:{server.port}", role=servicer.role)
+    await stop.wait()
+    await server.stop(grace=5)
+
+
+def run(name: str, args: argparse.Namespace, make: Callable[[argparse.Namespace], WorkerServicer]) -> int:
+    setup_logging()
+    servicer = make(args)
+    try:
+        asyncio.run(serve(name, servicer, args))
+    finally:
+        servicer.engine.shutdown()
+        if servicer.connector is not None:
+            servicer.connector.close()
+    return 0

@@ -9,6 +9,11 @@ or a view of its cache).
 
 Which slots a worker may write or read is decided on the control plane
 (Reserve / Lookup with a lease); the data plane only moves bytes.
+
+All UCX work of a process runs on one event loop in its own thread: ucxx
+delivers completions as asyncio futures bound to a single loop (the
+alternative, polling each pending request, spins a core while idle), so
+callers on any loop, or on several, hand their transfers to that one.
 """
 
 from __future__ import annotations
@@ -16,24 +21,71 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 OP_WRITE = 1
 OP_READ = 2
 MAX_BLOCKS_PER_TRANSFER = 1 << 16
+# Requests in flight at once on one endpoint. ucxx keeps a pool of 50-100 ready-made Python futures
+# for completions; posting more at once empties it (a warning per request, futures made on the spot).
+WINDOW = 48
+
+_shutdown_hook = False
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
 
 
 def _ucxx():
     # ucxx sets a variable UCX 1.21 no longer knows, and UCX then warns on stdout. Progress runs in
-    # ucxx's own thread: the "blocking" mode spins a core at 50-100% on an idle endpoint over TCP
-    # (its arm/progress loop never settles), which starves the engines on a small machine.
+    # ucxx's own thread and completions reach asyncio as futures (its notifier thread): the other
+    # modes poll, every pending receive spinning the event loop (`asyncio.sleep(0)` in a loop), so an
+    # idle store with connected workers burns a whole core and starves the engines beside it.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread")
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     import ucxx
 
+    global _shutdown_hook
+    if not _shutdown_hook:
+        # The notifier thread is not a daemon and runs until told to stop: stop it before the
+        # interpreter joins its threads at exit (plain atexit runs after that join, too late).
+        threading._register_atexit(ucxx.stop_notifier_thread)
+        _shutdown_hook = True
     return ucxx
+
+
+def _ucx_loop() -> asyncio.AbstractEventLoop:
+    """The process's UCX loop, started on first use."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="ucx-loop", daemon=True).start()
+        return _loop
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run_coroutine_threadsafe(coro, _ucx_loop()).result()
+
+
+async def _on_ucx_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the UCX loop and await it from the caller's loop; cancelling cancels it."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _ucx_loop()))
+
+
+async def _windowed(n: int, transfer: Callable[[int, int], Awaitable[None]]) -> None:
+    """Run ``transfer(start, end)`` over [0, n) in windows of ``WINDOW`` requests, with the
+    completion-future pool topped up before each."""
+    worker = _ucxx().core._get_ctx().worker  # the notifier's worker: it owns the pool
+    for start in range(0, n, WINDOW):
+        worker.populate_python_futures_pool()
+        await transfer(start, min(n, start + WINDOW))
 
 
 class DataPlaneServer:
@@ -45,12 +97,16 @@ class DataPlaneServer:
         self._listener = None
 
     def start(self, port: int = 0) -> int:
-        self._listener = _ucxx().create_listener(self._handle, port, endpoint_error_handling=True)
+        """Listen on ``port`` (0: a free one); connections are served on the UCX loop."""
+        self._listener = _run_sync(self._listen(port))
         return self._listener.port
+
+    async def _listen(self, port: int):
+        return _ucxx().create_listener(self._handle, port, endpoint_error_handling=True)
 
     def close(self) -> None:
         if self._listener is not None:
-            self._listener.close()
+            _ucx_loop().call_soon_threadsafe(self._listener.close)
             self._listener = None
 
     async def _handle(self, ep) -> None:
@@ -66,21 +122,27 @@ class DataPlaneServer:
                 if (slots < 0).any() or (slots >= self.buffer.shape[0]).any():
                     return
                 rows = [self.buffer[int(s)] for s in slots]
-                if op == OP_WRITE:
-                    # Post every receive first, then let the writer go: blocks land in expected
-                    # receives (straight into the pool) instead of UCX's unexpected-message buffers.
-                    receives = [asyncio.ensure_future(ep.recv(row)) for row in rows]
-                    await ep.send(np.ones(1, dtype=np.int64))
-                    await asyncio.gather(*receives)
-                    await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
-                    self.on_bytes(n * self.buffer.shape[1], 0)
-                else:
-                    await asyncio.gather(*(ep.send(row) for row in rows))
-                    self.on_bytes(0, n * self.buffer.shape[1])
+                await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
         except Exception:  # the peer closed or died mid-transfer: its reservation or lease expires
             return
         finally:
             await _close(ep)
+
+    async def _serve_write(self, ep, rows: list[np.ndarray]) -> None:
+        async def window(a: int, b: int) -> None:
+            # Post the window's receives first, then let the writer go: blocks land in expected
+            # receives (straight into the pool) instead of UCX's unexpected-message buffers.
+            receives = [asyncio.ensure_future(ep.recv(row)) for row in rows[a:b]]
+            await ep.send(np.ones(1, dtype=np.int64))
+            await asyncio.gather(*receives)
+
+        await _windowed(len(rows), window)
+        await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
+        self.on_bytes(len(rows) * self.buffer.shape[1], 0)
+
+    async def _serve_read(self, ep, rows: list[np.ndarray]) -> None:
+        await _windowed(len(rows), lambda a, b: asyncio.gather(*(ep.send(row) for row in rows[a:b])))
+        self.on_bytes(0, len(rows) * self.buffer.shape[1])
 
 
 async def _close(ep) -> None:
@@ -106,6 +168,9 @@ class DataPlaneClient:
         return ep
 
     async def connect(self, address: str) -> None:
+        await _on_ucx_loop(self._connect(address))
+
+    async def _connect(self, address: str) -> None:
         async with self._locks.setdefault(address, asyncio.Lock()):
             await self._endpoint(address)
 
@@ -127,18 +192,31 @@ class DataPlaneClient:
 
     async def write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
         """Send ``blocks`` into ``slots`` of the node at ``address``; returns once they are in its pool."""
+        await _on_ucx_loop(self._write(address, slots, blocks))
+
+    async def _write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
         async with self._transfer(address, OP_WRITE, slots) as ep:
             ack = np.zeros(1, dtype=np.int64)
-            await ep.recv(ack)  # the store has posted its receives
-            await asyncio.gather(*(ep.send(b) for b in blocks))
+
+            async def window(a: int, b: int) -> None:
+                await ep.recv(ack)  # the store has posted this window's receives
+                await asyncio.gather(*(ep.send(x) for x in blocks[a:b]))
+
+            await _windowed(len(blocks), window)
             await ep.recv(ack)
 
     async def read(self, address: str, slots: list[int], out: list[np.ndarray]) -> None:
         """Fill ``out`` (contiguous uint8 arrays of one block each) from ``slots`` of the node."""
+        await _on_ucx_loop(self._read(address, slots, out))
+
+    async def _read(self, address: str, slots: list[int], out: list[np.ndarray]) -> None:
         async with self._transfer(address, OP_READ, slots) as ep:
-            await asyncio.gather(*(ep.recv(b) for b in out))
+            await _windowed(len(out), lambda a, b: asyncio.gather(*(ep.recv(x) for x in out[a:b])))
 
     async def close(self) -> None:
+        await _on_ucx_loop(self._close_all())
+
+    async def _close_all(self) -> None:
         for ep in self._eps.values():
             await _close(ep)
         self._eps.clear()

@@ -303,4 +303,4 @@ def test_tandem_serve_tokenizer_subcommand():
     from tandem.cli import build_parser
 
     args = build_parser().parse_args(["serve", "tokenizer", "--model", "/m", "--port", "0"])
-    assert (args.model, args.host, args.port, args.func.__name__) == ("/m", "127.0.0.1", 0, "_cmd_serve_tokenizer")
+    assert (args.model, args.host, args.port, args.module) == ("/m", "127.0.0.1", 0, "tokenizer_svc.server")

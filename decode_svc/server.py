@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import grpc
 
 from engine.block_hash import prompt_block_hashes
 from engine.request import RequestOutput
 from protos import worker_pb2 as wpb
-from tandem import worker
+from tandem import telemetry, worker
 from tandem.pb_convert import finish_reason, token_output
 
 log = logging.getLogger("tandem.decode")
@@ -35,10 +36,16 @@ class DecodeServicer(worker.WorkerServicer):
         extra = {"cache_salt": salt, "output_token_ids": outputs}
         if request.HasField("handoff"):
             extra["num_external_tokens"] = await self._external_tokens(request, prompt, salt, context)
-        first = True
-        async for out in self._outputs(context, prompt, params, request.request_id, request.priority, **extra):
-            yield _message(out, first)
-            first = False
+        ctx = telemetry.incoming(context.invocation_metadata())
+        stream = StreamTrace(ctx, prefills=not request.HasField("handoff") and not outputs)
+        try:
+            async for out in self._outputs(context, ctx, prompt, params, request.request_id, request.priority,
+                                           **extra):
+                first = stream.step(out, len(prompt))
+                yield _message(out, first)
+            stream.finish("OK")
+        finally:
+            stream.finish(worker.status_name(context))
 
     async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], salt: str | None,
                                context: grpc.aio.ServicerContext) -> int:
@@ -57,6 +64,58 @@ class DecodeServicer(worker.WorkerServicer):
                         request.request_id)
             return 0
         return len(prompt)
+
+
+class StreamTrace:
+    """The decode side of a request's trace: its queue, first step (or, aggregated, its prefill) and
+    the stream, with inter-token percentiles; no span per token."""
+
+    def __init__(self, ctx, prefills: bool) -> None:
+        self.ctx = ctx
+        self.prefills = prefills
+        self.stamps: list[float] = []
+        self.start: float | None = None
+        self.tokens = 0
+        self.finish_reason = ""
+        self.done = False
+
+    def step(self, out: RequestOutput, prompt_len: int) -> bool:
+        """Record one output; True for the first."""
+        first = not self.stamps
+        self.stamps.append(time.monotonic())
+        self.tokens += len(out.new_token_ids)
+        self.finish_reason = out.finish_reason or ""
+        if first and out.times is not None:
+            self._first(out, prompt_len)
+        return first
+
+    def _first(self, out: RequestOutput, prompt_len: int) -> None:
+        t = out.times
+        self.start = t.first_token
+        if self.prefills:  # aggregated: this worker did the prefill
+            worker.trace_prefill(self.ctx, out, prompt_len)
+            return
+        telemetry.span_at("decode.queue", self.ctx, t.arrival, t.scheduled)
+        telemetry.span_at("decode.first_step", self.ctx, t.loaded, t.first_token,
+                          {"tandem.cached_tokens": out.num_cached_tokens})
+
+    def finish(self, code: str) -> None:
+        if self.done or not self.stamps:
+            return
+        self.done = True
+        gaps = sorted(b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False))
+        attrs = {"gen_ai.usage.output_tokens": self.tokens, "tandem.finish_reason": self.finish_reason,
+                 "rpc.grpc.status_code": code}
+        if gaps:
+            attrs.update({f"itl_p{p}_ms": 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * p / 100))]
+                          for p in (50, 90, 99)})
+            attrs["tpot_ms"] = 1000 * (self.stamps[-1] - self.stamps[0]) / len(gaps)
+        end = time.monotonic()
+        span = telemetry.tracer().start_span("decode.stream", context=self.ctx, attributes=attrs,
+                                             start_time=telemetry.wall_ns(self.start or self.stamps[0]))
+        if code != "OK":
+            telemetry.fail(span, code)
+        span.end(end_time=telemetry.wall_ns(end))
 
 
 def _message(out: RequestOutput, first: bool) -> wpb.DecodeResponse:

@@ -105,13 +105,26 @@ class RequestTimes:
     queue: float  # arrival -> admitted
     kv_load: float  # admitted -> external KV loaded (0 without a load)
     prefill: float  # the end of those -> first token sampled
+    arrival: float = 0.0  # time.monotonic() at add_request: the others are offsets from here, in order
 
     @classmethod
     def of(cls, r: Request) -> RequestTimes:
         scheduled = r.scheduled_time if r.scheduled_time is not None else r.arrival_time
         loaded = r.loaded_time if r.loaded_time is not None else scheduled
         first = r.first_token_time if r.first_token_time is not None else loaded
-        return cls(scheduled - r.arrival_time, loaded - scheduled, first - loaded)
+        return cls(scheduled - r.arrival_time, loaded - scheduled, first - loaded, r.arrival_time)
+
+    @property
+    def scheduled(self) -> float:
+        return self.arrival + self.queue
+
+    @property
+    def loaded(self) -> float:
+        return self.scheduled + self.kv_load
+
+    @property
+    def first_token(self) -> float:
+        return self.loaded + self.prefill
 
 
 @dataclass(slots=True)

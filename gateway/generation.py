@@ -22,6 +22,7 @@ import grpc
 
 from engine.block_hash import prompt_block_hashes
 from gateway.detokenizer import RemoteDetokenizer
+from gateway.observe import RequestRecord
 from gateway.stop_strings import StopMatcher
 from gateway.validation import ValidRequest
 from gateway.workers import DECODE_STREAM_COST, WorkerClient
@@ -127,8 +128,10 @@ class Output:
 class Generation:
     """The steps of one call; ``core`` is the gateway (pool, stubs, counters, limits)."""
 
-    def __init__(self, core, plan: Plan, output: Output, context: grpc.aio.ServicerContext, clock: Clock) -> None:
+    def __init__(self, core, plan: Plan, output: Output, context: grpc.aio.ServicerContext, clock: Clock,
+                 record: RequestRecord) -> None:
         self.core = core
+        self.record = record
         self.plan = plan
         self.out = output
         self.context = context
@@ -184,10 +187,14 @@ class Generation:
             rid = f"{plan.base_id}-p{attempt}"
             self.partial_ids.append(rid)
             if attempt == 0:
-                self.clock.mark("routed")
+                self._routed(worker, new_tokens)
             else:
                 self.core.prefill_retries += 1
-            call = worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout())
+                self.core.metrics.prefill_retries.inc()
+                self.record.root.add_event("prefill retried", {"tandem.worker": worker.address,
+                                                               "reason": last.details() if last else ""})
+            call = worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
+                                       metadata=self.record.metadata())
             worker.inflight += 1
             worker.pending_prompt_tokens += new_tokens
             try:
@@ -251,11 +258,11 @@ class Generation:
             worker, new_tokens = picked
             tried.append(worker)
             if prefills and len(tried) == 1:
-                self.clock.mark("routed")
+                self._routed(worker, new_tokens)
             request = self._decode_request(rid, outputs, handoff)
             worker.inflight += 1
             worker.pending_prompt_tokens += new_tokens
-            call = worker.stub.Decode(request, timeout=self.timeout())
+            call = worker.stub.Decode(request, timeout=self.timeout(), metadata=self.record.metadata())
             received = 0
             try:
                 async for msg in call:
@@ -286,6 +293,17 @@ class Generation:
                 worker.pending_prompt_tokens -= new_tokens
                 call.cancel()
         raise self._no_worker("decode", last)
+
+    def _routed(self, worker: WorkerClient, new_tokens: int) -> None:
+        self.clock.mark("routed")
+        self.record.end_route(**{
+            "tandem.worker": worker.address,
+            "tandem.worker_queue_tokens": worker.pending_prompt_tokens,
+            "tandem.worker_inflight": worker.inflight,
+            "tandem.stored_blocks": self.plan.stored_blocks,
+            "tandem.prompt_tokens_to_compute": new_tokens,
+            "gen_ai.usage.input_tokens": len(self.plan.prompt),
+        })
 
     def _decode_request(self, rid: str, outputs: list[int], handoff: cpb.KVHandoff | None) -> wpb.DecodeRequest:
         p = self.plan

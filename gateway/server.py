@@ -20,6 +20,7 @@ import grpc
 
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import Clock, Generation, GenerationError, Output, Plan, plan_keys
+from gateway.observe import RequestRecord
 from gateway.stop_strings import StopMatcher
 from gateway.validation import InvalidRequest, ModelLimits, check_length, validate
 from gateway.workers import WorkerPool
@@ -29,7 +30,17 @@ from protos import kvstore_pb2 as kpb
 from protos import kvstore_pb2_grpc as kpb_grpc
 from protos import tokenizer_pb2 as tpb
 from protos import tokenizer_pb2_grpc as tpb_grpc
-from tandem.service import Service, announce, channel, setup_logging, start_server, stop_signal
+from tandem.metrics import RequestMetrics, add_metrics_args
+from tandem.service import (
+    Service,
+    announce,
+    channel,
+    setup_logging,
+    start_observability,
+    start_server,
+    stop_observability,
+    stop_signal,
+)
 from tandem.settings import env_default
 
 log = logging.getLogger("tandem.gateway")
@@ -50,6 +61,7 @@ class Gateway(gpb_grpc.GatewayServicer):
         self.inflight = 0
         self.requests_total = 0
         self.prefill_retries = 0
+        self.metrics = RequestMetrics()
         self.finished_by_code: Counter[str] = Counter()
         self._active_ids: set[str] = set()
         self._drops: set[asyncio.Task] = set()
@@ -77,22 +89,29 @@ class Gateway(gpb_grpc.GatewayServicer):
 
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.requests_total += 1
+        record = RequestRecord(self.metrics, context.invocation_metadata(), self.inflight)
+        if request.request_id:  # before validation: a refused request is found by its id too
+            record.attributes(**{"tandem.request_id": request.request_id[:128]})
         if self.inflight >= self.max_inflight:
+            message = f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later"
             self.finished_by_code["RESOURCE_EXHAUSTED"] += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
+            record.finish("RESOURCE_EXHAUSTED", message, None)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self.inflight += 1
-        code = "CANCELLED"
+        self.metrics.running.inc()
+        code, message, last = "CANCELLED", "", None
         try:
-            async with contextlib.aclosing(self._generate(request, context)) as stream:
+            async with contextlib.aclosing(self._generate(request, context, record)) as stream:
                 async for msg in stream:
+                    record.sent(msg)
+                    last = msg
                     yield msg
             code = "OK"
         except InvalidRequest as exc:
-            code = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code, message = "INVALID_ARGUMENT", str(exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         except GenerationError as exc:
-            code = exc.code.name
+            code, message = exc.code.name, exc.message
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             remaining = context.time_remaining()
@@ -100,10 +119,12 @@ class Gateway(gpb_grpc.GatewayServicer):
             raise
         finally:
             self.inflight -= 1
+            self.metrics.running.dec()
             self.finished_by_code[code] += 1
+            record.finish(code, message, last)
 
-    async def _generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
-                        ) -> AsyncIterator[gpb.GenerateResponse]:
+    async def _generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        record: RequestRecord) -> AsyncIterator[gpb.GenerateResponse]:
         limits = self.limits()
         if limits is None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, "no workers are ready yet")
@@ -112,24 +133,28 @@ class Gateway(gpb_grpc.GatewayServicer):
         if valid.request_id in self._active_ids:
             raise InvalidRequest(f"request_id {valid.request_id!r} is already in flight")
         self._active_ids.add(valid.request_id)
+        record.attributes(**{"tandem.request_id": valid.request_id})
         try:
-            prompt = valid.token_ids if valid.token_ids is not None else await self._tokenize(request, context)
+            if valid.token_ids is not None:
+                prompt = valid.token_ids
+            else:
+                prompt = await self._tokenize(request, context, record.metadata())
             clock.mark("tokenized")
             check_length(valid, len(prompt), limits)
             keys = plan_keys(self.pool.any_info().model_fingerprint, prompt, self.block_size, request.cache_salt)
-            stored = await self._stored_blocks(keys, context)
+            stored = await self._stored_blocks(keys, record.start_route())
             plan = Plan(valid, prompt, keys, stored, request.cache_salt, request.priority)
-            async for msg in self._run(plan, request, context, clock):
+            async for msg in self._run(plan, request, context, clock, record):
                 yield msg
         finally:
             self._active_ids.discard(valid.request_id)
 
     async def _run(self, plan: Plan, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
-                   clock: Clock) -> AsyncIterator[gpb.GenerateResponse]:
+                   clock: Clock, record: RequestRecord) -> AsyncIterator[gpb.GenerateResponse]:
         detok = RemoteDetokenizer(self.tokenizer, request.keep_special_tokens, context.time_remaining())
         stop = StopMatcher(plan.valid.stop, request.include_stop_str_in_output)
         output = Output(plan.valid.request_id, detok, stop, len(plan.prompt), plan.valid.params.stop_token_ids)
-        gen = Generation(self, plan, output, context, clock)
+        gen = Generation(self, plan, output, context, clock, record)
         try:
             async with contextlib.aclosing(gen.run()) as stream:
                 async for msg in stream:
@@ -167,13 +192,14 @@ class Gateway(gpb_grpc.GatewayServicer):
 
     # -- hops ---------------------------------------------------------------------------------
 
-    async def _tokenize(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext) -> list[int]:
+    async def _tokenize(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        metadata: list[tuple[str, str]]) -> list[int]:
         if request.WhichOneof("input") == "chat":
             req = tpb.TokenizeRequest(chat=request.chat)
         else:
             req = tpb.TokenizeRequest(text=request.prompt, add_special_tokens=request.add_special_tokens)
         try:
-            res = await self.tokenizer.Tokenize(req, timeout=context.time_remaining())
+            res = await self.tokenizer.Tokenize(req, timeout=context.time_remaining(), metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequest(exc.details()) from exc
@@ -181,12 +207,13 @@ class Gateway(gpb_grpc.GatewayServicer):
             raise GenerationError(code, f"tokenizer: {exc.details()}") from exc
         return list(res.token_ids)
 
-    async def _stored_blocks(self, keys: list[bytes], context: grpc.aio.ServicerContext) -> int:
+    async def _stored_blocks(self, keys: list[bytes], metadata: list[tuple[str, str]]) -> int:
         """How many leading blocks the kvstore holds; 0 when it cannot say (the prefill recomputes)."""
         if self.kvstore is None or not keys:
             return 0
         try:
-            res = await self.kvstore.Lookup(kpb.LookupRequest(keys=keys), timeout=CONTROL_TIMEOUT_S)
+            res = await self.kvstore.Lookup(kpb.LookupRequest(keys=keys), timeout=CONTROL_TIMEOUT_S,
+                                            metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             log.warning("kvstore lookup failed (%s): routing without it", exc.code().name)
             return 0
@@ -232,6 +259,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Generate calls in flight beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--probe-interval-s", type=float, default=env_default("--probe-interval-s", 1.0),
                    help="how often workers are health-checked and their load read")
+    add_metrics_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -263,11 +291,13 @@ async def serve(args: argparse.Namespace) -> None:
     gateway.pool.start()
     watcher = asyncio.create_task(readiness())
     stop = stop_signal()
-    announce("gateway", grpc=f"{args.host}:{server.port}", mode=args.mode)
+    extra = start_observability("gateway", args.host, server.port, args.metrics_port)
+    announce("gateway", grpc=f"{args.host}:{server.port}", mode=args.mode, **extra)
     await stop.wait()
     watcher.cancel()
     await server.stop(grace=5)
     await gateway.close()
+    stop_observability()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ class KVStoreClient:
         self._channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.KVStoreStub(self._channel)
         self.data = DataPlaneClient()
+        self.last_data_address = ""
 
     async def connect(self, timeout: float = 10.0) -> None:
         """Open the UCX endpoint to this node now: setting one up takes hundreds of milliseconds,
@@ -55,12 +56,16 @@ class KVStoreClient:
         finally:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
 
-    async def push(self, blocks: Sequence[tuple[BlockKey, np.ndarray]], timeout: float = 30.0) -> int:
-        """Store blocks (contiguous uint8 arrays of one block each); how many were new to the store."""
+    async def push(self, blocks: Sequence[tuple[BlockKey, np.ndarray]], timeout: float = 30.0,
+                   metadata: Sequence[tuple[str, str]] | None = None) -> int:
+        """Store blocks (contiguous uint8 arrays of one block each); how many were new to the store.
+
+        ``metadata`` goes with the control-plane calls (a trace context, so the store's spans join it).
+        """
         if not blocks:
             return 0
         arrays = [np.ascontiguousarray(b).reshape(-1) for _, b in blocks]
-        res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=len(blocks)), timeout=timeout)
+        res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=len(blocks)), timeout=timeout, metadata=metadata)
         wrong = [a.nbytes for a in arrays if a.nbytes != res.block_bytes]
         if wrong:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
@@ -72,15 +77,18 @@ class KVStoreClient:
             raise
         commit = [_commit_block(s, k, a) for s, (k, _), a in zip(res.slots, blocks, arrays, strict=True)]
         done = await self.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=commit),
-                                      timeout=timeout)
+                                      timeout=timeout, metadata=metadata)
+        self.last_data_address = res.data_address
         return done.committed
 
     async def pull(
-        self, keys: Sequence[bytes], partials: Sequence[PartialKey] = (), timeout: float = 30.0
+        self, keys: Sequence[bytes], partials: Sequence[PartialKey] = (), timeout: float = 30.0,
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> PullResult:
         """The longest stored prefix of ``keys`` (then ``partials``, if every key was found)."""
         refs = [pb.PartialRef(request_id=r, index=i) for r, i in partials]
-        found = await self.stub.Lookup(pb.LookupRequest(keys=list(keys), partials=refs, lease=True), timeout=timeout)
+        found = await self.stub.Lookup(pb.LookupRequest(keys=list(keys), partials=refs, lease=True), timeout=timeout,
+                                       metadata=metadata)
         locations = list(found.blocks)
         if len(locations) == len(keys):
             locations += list(found.partials)[: len(partials)]
@@ -88,7 +96,8 @@ class KVStoreClient:
             blocks = await self._read(locations)
         finally:
             if found.lease_id:
-                await self.stub.Release(pb.ReleaseRequest(lease_id=found.lease_id), timeout=timeout)
+                await self.stub.Release(pb.ReleaseRequest(lease_id=found.lease_id), timeout=timeout,
+                                        metadata=metadata)
         verified = []
         for loc, block in zip(locations, blocks, strict=True):
             if checksum(block[: loc.length]) != loc.checksum:

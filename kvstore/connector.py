@@ -4,6 +4,10 @@ The engine calls the connector from its own thread between steps (see
 ``engine.kv_transfer``); transfers run on a private asyncio loop in a background
 thread, so a push of one chunk's blocks overlaps the next chunk's compute, and a
 pull completes while the engine keeps stepping the other requests.
+
+Each transfer is a ``kv.push`` or ``kv.pull`` span in the trace of its request
+(the context the worker registered with ``trace``), with the blocks, bytes and
+GB/s of the UCX hop as attributes; the store's own spans hang under it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +27,8 @@ from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.request import Request
 from kvstore.client import KVStoreClient
 from kvstore.pool import BlockKey
+from tandem import telemetry
+from tandem.metrics import transfer_metrics
 
 log = logging.getLogger("tandem.kvstore.connector")
 
@@ -43,7 +51,10 @@ class KVStoreConnector(KVConnector):
         self._saves: dict[Future, tuple[str, int]] = {}  # push -> (request id, blocks)
         self._failed_blocks: dict[str, int] = {}  # per request not yet collected by ``wait_saved``
         self._pulls = 0
+        self._traces: dict[str, Any] = {}  # request id -> the trace context of its transfers
         self.failed_saves = 0
+        self.address = address
+        self.metrics = transfer_metrics()
 
     async def _make_client(self, address: str) -> KVStoreClient:
         return KVStoreClient(address)  # its gRPC channel belongs to this loop
@@ -51,15 +62,39 @@ class KVStoreConnector(KVConnector):
     def _call(self, coro) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def trace(self, request_id: str, ctx: Any | None) -> None:
+        """The trace context of a request's transfers (None: forget it)."""
+        with self._lock:
+            if ctx is None:
+                self._traces.pop(request_id, None)
+            else:
+                self._traces[request_id] = ctx
+
+    def _trace_of(self, request_id: str) -> Any:
+        with self._lock:
+            return self._traces.get(request_id)
+
     def save_blocks(self, request: Request, first_block: int, keys: list[bytes | None], data: torch.Tensor) -> None:
         blocks: list[tuple[BlockKey, np.ndarray]] = [
             (key if key is not None else (request.request_id, first_block + i), _as_bytes(data[i]))
             for i, key in enumerate(keys)
         ]
-        fut = self._call(self.client.push(blocks))
+        fut = self._call(self._push(blocks, first_block, self._trace_of(request.request_id)))
         with self._lock:
             self._saves[fut] = (request.request_id, len(blocks))
         fut.add_done_callback(self._saved)
+
+    async def _push(self, blocks: list[tuple[BlockKey, np.ndarray]], first_block: int, ctx: Any) -> int:
+        nbytes = sum(b.nbytes for _, b in blocks)
+        with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(blocks), "tandem.kv.bytes": nbytes,
+                                                         "tandem.kv.first_block": first_block}) as span:
+            start = time.perf_counter()
+            committed = await self.client.push(blocks, metadata=telemetry.outgoing(telemetry.context_of(span)))
+            seconds = time.perf_counter() - start
+            span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address))
+            span.set_attribute("tandem.kv.committed", committed)
+        self.metrics.observe("push", len(blocks), nbytes, seconds)
+        return committed
 
     def _saved(self, fut: Future) -> None:
         with self._lock:
@@ -134,23 +169,35 @@ class KVStoreConnector(KVConnector):
         partials = [r for r in refs if not isinstance(r, bytes)]
         with self._lock:
             self._pulls += 1
-        self._call(self._load(request.request_id, keys, partials, num_blocks))
+        self._call(self._load(request.request_id, keys, partials, num_blocks, self._trace_of(request.request_id)))
 
-    async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int) -> None:
-        try:
-            pulled = await self.client.pull(keys, partials)
-            if len(pulled.blocks) < n:
-                result = LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
-            else:
-                raw = torch.from_numpy(np.stack(pulled.blocks))
-                result = LoadResult(request_id, raw.view(self.dtype).reshape(n, *self.block_shape))
-            if partials:
-                await self.client.drop_partials(request_id)
-        except Exception as exc:  # the store is down or died mid-pull: a miss, recomputed by the engine
-            result = LoadResult(request_id, None, f"KV pull failed: {exc}")
+    async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
+                    ctx: Any) -> None:
+        with telemetry.span("kv.pull", ctx, attributes={"tandem.kv.blocks": n}) as span:
+            try:
+                result = await self._pull(request_id, keys, partials, n, span)
+            except Exception as exc:  # the store is down or died mid-pull: a miss, recomputed by the engine
+                result = LoadResult(request_id, None, f"KV pull failed: {exc}")
+            if result.error is not None:
+                telemetry.fail(span, "MISS", result.error)
         with self._lock:
             self._done.append(result)
             self._pulls -= 1
+
+    async def _pull(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
+                    span: Any) -> LoadResult:
+        start = time.perf_counter()
+        pulled = await self.client.pull(keys, partials, metadata=telemetry.outgoing(telemetry.context_of(span)))
+        seconds = time.perf_counter() - start
+        nbytes = sum(b.nbytes for b in pulled.blocks)
+        span.set_attributes(_transfer_attributes(nbytes, seconds, ""))
+        self.metrics.observe("pull", len(pulled.blocks), nbytes, seconds)
+        if partials:
+            await self.client.drop_partials(request_id)
+        if len(pulled.blocks) < n:
+            return LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
+        raw = torch.from_numpy(np.stack(pulled.blocks))
+        return LoadResult(request_id, raw.view(self.dtype).reshape(n, *self.block_shape))
 
     def poll_loads(self) -> list[LoadResult]:
         with self._lock:
@@ -162,6 +209,14 @@ class KVStoreConnector(KVConnector):
         self._call(self.client.close()).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+def _transfer_attributes(nbytes: int, seconds: float, data_address: str) -> dict[str, Any]:
+    attrs = {"tandem.kv.bytes": nbytes, "tandem.kv.seconds": seconds,
+             "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "tandem.kv.transport": "ucx"}
+    if data_address:
+        attrs["tandem.kv.data_address"] = data_address
+    return attrs
 
 
 def _as_bytes(block: torch.Tensor) -> np.ndarray:

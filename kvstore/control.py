@@ -9,6 +9,7 @@ network, so they run in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,13 +17,18 @@ from typing import Any
 
 import grpc
 import xxhash
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from prometheus_client import Counter
 
 from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, check_key, check_keys
 from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
+from tandem import telemetry
 
 MAX_KEYS = 65536
+RPCS = Counter("tandem_kvstore_requests", "Control-plane calls by method and final status", ["method", "code"])
 
 
 @dataclass(slots=True)
@@ -35,20 +41,36 @@ class Counters:
 
 
 def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Map the pool's and the index's exceptions to gRPC status codes."""
+    """Map the pool's and the index's exceptions to gRPC status codes; trace and count every call.
+
+    A call made on behalf of a traced request (a trace context in its metadata) is a
+    ``kvstore.<method>`` span in that request's trace; other calls are not traced.
+    """
+    span_name = f"kvstore.{method.__name__.lower()}"
 
     @functools.wraps(method)
     async def wrapper(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await method(self, request, context)
-        except CapacityError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except UnknownHandleError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except IndexUnavailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        parent = telemetry.incoming(context.invocation_metadata())
+        traced = trace.get_current_span(parent).get_span_context().is_valid
+        with telemetry.span(span_name, parent, SpanKind.SERVER) if traced else contextlib.nullcontext() as span:
+            code, message = "CANCELLED", ""
+            try:
+                result = await method(self, request, context)
+                code = "OK"
+                return result
+            except CapacityError as exc:
+                code, message = "RESOURCE_EXHAUSTED", str(exc)
+            except UnknownHandleError as exc:
+                code, message = "NOT_FOUND", str(exc.args[0])
+            except IndexUnavailableError as exc:
+                code, message = "UNAVAILABLE", str(exc)
+            except ValueError as exc:
+                code, message = "INVALID_ARGUMENT", str(exc)
+            finally:
+                RPCS.labels(method.__name__, code).inc()
+                if span is not None and code != "OK":
+                    telemetry.fail(span, code, message)
+            await context.abort(grpc.StatusCode[code], message)
 
     return wrapper
 

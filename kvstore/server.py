@@ -11,18 +11,20 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client.core import GaugeMetricFamily
 
 from kvstore.control import KVStoreService
 from kvstore.data_plane import DataPlaneServer
 from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
 from kvstore.pool import BlockPool
 from protos import kvstore_pb2, kvstore_pb2_grpc
+from tandem.metrics import add_metrics_args, counter, gauge, register_state
+from tandem.service import announce, start_observability, stop_observability, stop_signal
 from tandem.settings import env_default
 
 log = logging.getLogger("tandem.kvstore")
@@ -43,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", default=env_default("--node-id", None, str))
     p.add_argument("--heartbeat-s", type=float, default=env_default("--heartbeat-s", 2.0))
     p.add_argument("--partial-ttl-s", type=float, default=env_default("--partial-ttl-s", 60.0))
+    add_metrics_args(p)
 
 
 def make_index(redis_url: str | None) -> BlockIndex:
@@ -88,19 +91,38 @@ async def serve(args: argparse.Namespace) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
     upkeep = asyncio.create_task(_upkeep(service, args, node_id))
+    stop = stop_signal()
+    register_state(lambda: store_state(service))
+    extra = start_observability("kvstore", args.host, port, args.metrics_port)
     # The launcher and tests read this line to find the ports.
-    print(f"KVSTORE READY grpc={args.host}:{port} data={args.host}:{data_port} node={node_id} "
-          f"slots={pool.num_slots}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    announce("kvstore", grpc=f"{args.host}:{port}", data=f"{args.host}:{data_port}", node=node_id,
+             slots=pool.num_slots, **extra)
     await stop.wait()
     upkeep.cancel()
     with contextlib.suppress(IndexUnavailableError):
         await asyncio.to_thread(service.index.purge_node, node_id)  # a clean stop leaves nothing behind
     await server.stop(grace=1)
     data.close()
+    stop_observability()
+
+
+def store_state(service: KVStoreService) -> list:
+    """What /metrics reads of the store at scrape time."""
+    snap, c = service.pool.snapshot(), service.counters
+    blocks = GaugeMetricFamily("tandem_kvstore_blocks", "Pool slots by state", labels=["state"])
+    for state in ("stored", "free", "reserved", "leased", "partial"):
+        blocks.add_metric([state], snap[f"{state}_blocks"])
+    return [
+        blocks,
+        gauge("tandem_kvstore_capacity_blocks", "Slots in the preallocated pool", snap["capacity_blocks"]),
+        gauge("tandem_kvstore_active_leases", "Readers' leases held now", snap["active_leases"]),
+        counter("tandem_kvstore_evictions", "Blocks evicted (LRU over unleased blocks)", snap["evictions"]),
+        counter("tandem_kvstore_lookups", "Lookup calls", c.lookups),
+        counter("tandem_kvstore_lookup_hit_blocks", "Blocks found by lookups", c.hit_blocks),
+        counter("tandem_kvstore_lookup_miss_blocks", "Blocks asked for and not found", c.miss_blocks),
+        counter("tandem_kvstore_bytes_in", "Block bytes committed into the pool", c.bytes_in),
+        counter("tandem_kvstore_bytes_out", "Block bytes sent to readers", c.bytes_out),
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from engine.block_hash import prompt_block_hashes
 from engine.request import RequestOutput
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
-from tandem import worker
+from tandem import telemetry, worker
 from tandem.pb_convert import finish_reason, token_output
 
 
@@ -30,11 +30,13 @@ class PrefillServicer(worker.WorkerServicer):
         prompt = list(request.prompt_token_ids)
         params = await self._params(request.sampling, len(prompt), context)
         rid, salt = request.request_id, request.cache_salt or None
+        ctx = telemetry.incoming(context.invocation_metadata())
         handed_off = False
         try:
-            out = await self._prefill(context, prompt, params, rid, request.priority, salt,
+            out = await self._prefill(context, ctx, prompt, params, rid, request.priority, salt,
                                       self._stored_tokens(request.num_stored_tokens, len(prompt)))
             sampled = time.monotonic()
+            worker.trace_prefill(ctx, out, len(prompt))
             yield _first_message(out)
             if out.finish_reason != "prefilled":
                 return
@@ -49,10 +51,10 @@ class PrefillServicer(worker.WorkerServicer):
                 # i.e. after the step that may still be pushing it (the abort is applied between steps).
                 self.engine.abort(rid).add_done_callback(lambda _: self.connector.discard_request(rid))
 
-    async def _prefill(self, context: grpc.aio.ServicerContext, prompt: list[int], params, rid: str, priority: int,
-                       salt: str | None, stored: int) -> RequestOutput:
+    async def _prefill(self, context: grpc.aio.ServicerContext, ctx, prompt: list[int], params, rid: str,
+                       priority: int, salt: str | None, stored: int) -> RequestOutput:
         last = None
-        async for out in self._outputs(context, prompt, params, rid, priority, cache_salt=salt,
+        async for out in self._outputs(context, ctx, prompt, params, rid, priority, cache_salt=salt,
                                        num_external_tokens=stored):
             last = out
         assert last is not None and last.finished, "a producer's request ends with its first token"

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(up)
     up.set_defaults(func=_cmd_up)
 
+    trace = sub.add_parser("trace", help="a request's time to first token, hop by hop, from its trace")
+    from tandem.trace_view import add_args as add_trace_args
+
+    add_trace_args(trace)
+    trace.set_defaults(func=_cmd_trace)
+
     serve = sub.add_parser("serve", help="run one service in this process")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for name, (module, help_text) in SERVICES.items():
@@ -155,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kv_args(kv_bench)
     kv_bench.set_defaults(func=_cmd_bench_kv)
+    serve_bench = bench_sub.add_parser("serve", help="load a running gateway (or an OpenAI-compatible server) at "
+                                       "request rates; latency percentiles, throughput, goodput, plots")
+    from tandem.bench.serve import add_args as add_serve_args
+
+    add_serve_args(serve_bench)
+    serve_bench.set_defaults(func=_cmd_bench_serve)
+    compare = bench_sub.add_parser("compare", help="aggregated against disaggregated `tandem up`, pinned to cores, "
+                                   "swept over request rates: one table, one plot")
+    from tandem.bench.compare import add_args as add_compare_args
+
+    add_compare_args(compare)
+    add_engine_args(compare)
+    compare.set_defaults(func=_cmd_bench_compare)
     return parser
 
 
@@ -251,6 +270,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return _generate_remote(args, cluster.gateway.address)
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from tandem.trace_view import run
+
+    return run(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     return importlib.import_module(args.module).run(args)
 
@@ -263,6 +288,18 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
     from tandem.bench.kv import run
+
+    return run(args)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tandem.bench.serve import run
+
+    return run(args)
+
+
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from tandem.bench.compare import run
 
     return run(args)
 

@@ -46,8 +46,10 @@ READY_RE = re.compile(r"^([A-Z][A-Z0-9_]*) READY((?: +[A-Za-z0-9_]+=\S*)*) *$")
 LAUNCHER_OWNED_ENV = (
     "TANDEM_HOST", "TANDEM_PORT", "TANDEM_DATA_PORT", "TANDEM_NODE_ID", "TANDEM_KVSTORE", "TANDEM_TOKENIZER",
     "TANDEM_MODE", "TANDEM_DECODE_WORKERS", "TANDEM_PREFILL_WORKERS", "TANDEM_REDIS_URL", "TANDEM_GATEWAY",
+    "TANDEM_METRICS_PORT",
 )
 PR_SET_PDEATHSIG = 1
+TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
 LOG_TAIL_LINES = 20
 
 
@@ -114,11 +116,15 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
-def _child_setup(parent_pid: int) -> Callable[[], None]:
-    """Runs in the child between fork and exec: own process group, die with the launcher."""
+def _child_setup(parent_pid: int, cpus: Sequence[int] = ()) -> Callable[[], None]:
+    """Runs in the child between fork and exec: own process group, die with the launcher, and
+    (with ``cpus``) run only on those cores, so that services measured against each other do not
+    steal each other's cores."""
 
     def setup() -> None:
         os.setpgid(0, 0)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         if _PRCTL is not None:
             _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != parent_pid:  # the launcher died before prctl took effect
@@ -239,6 +245,9 @@ class ClusterConfig:
     log_dir: Path | None = None  # default: a fresh folder under $TANDEM_HOME/logs
     env: dict[str, str] = field(default_factory=dict)  # added to every child's environment
     startup_timeout: float = 180.0  # seconds per start stage
+    # Cores per service kind ("prefill": [0], "decode": [1]); a pinned worker's --num-threads
+    # defaults to its number of cores. Unnamed kinds run wherever the kernel puts them.
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -252,6 +261,14 @@ class ClusterConfig:
         unknown = set(self.extra_args) - {"kvstore", "tokenizer", "prefill", "decode", "gateway"}
         if unknown:
             raise ValueError(f"extra_args for unknown services: {', '.join(sorted(unknown))}")
+        unknown = set(self.cpu_affinity) - {"kvstore", "tokenizer", "prefill", "decode", "gateway"}
+        if unknown:
+            raise ValueError(f"cpu_affinity for unknown services: {', '.join(sorted(unknown))}")
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        for kind, cpus in self.cpu_affinity.items():
+            if not cpus or not set(cpus) <= usable:
+                raise ValueError(f"cpu_affinity[{kind!r}] = {cpus!r}: name cores this process may use "
+                                 f"({', '.join(map(str, sorted(usable))) or 'none: no sched_setaffinity here'})")
 
     @property
     def disaggregated(self) -> bool:
@@ -320,21 +337,23 @@ class Cluster:
         argv = ["-m", "tokenizer_svc.server", "--model", str(self.model_dir), *self._listen()]
         return ServiceSpec("tokenizer", "tokenizer", argv + self._extra("tokenizer"))
 
-    def worker_engine_args(self) -> list[str]:
-        """The user's engine flags, with the model pinned and the CPU threads shared out among workers."""
+    def worker_engine_args(self, kind: str = "decode") -> list[str]:
+        """The user's engine flags, with the model pinned and the CPU threads shared out among workers
+        (a worker pinned to cores gets one thread per core)."""
         args = [*self.config.engine_args, "--model", str(self.model_dir)]
         if self._engine.num_threads is None:
-            args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // self.config.num_workers))]
+            pinned = self.config.cpu_affinity.get(kind)
+            threads = len(pinned) if pinned else max(1, (os.cpu_count() or 1) // self.config.num_workers)
+            args += ["--num-threads", str(threads)]
         return args
 
     def worker_specs(self, kvstore: str | None) -> list[ServiceSpec]:
         """Prefill workers (disaggregated only) and decode workers; ``kvstore`` is the store's gRPC address."""
-        engine = self.worker_engine_args()
         store = ["--kvstore", kvstore] if self.config.disaggregated and kvstore else []
         kinds = [("prefill", self.config.num_prefill)] if self.config.disaggregated else []
         kinds.append(("decode", self.config.num_decode))
-        return [ServiceSpec(f"{kind}-{i}", kind, ["-m", f"{kind}_svc.server", *engine, *store, *self._listen(),
-                                                  *self._extra(kind)])
+        return [ServiceSpec(f"{kind}-{i}", kind, ["-m", f"{kind}_svc.server", *self.worker_engine_args(kind), *store,
+                                                  *self._listen(), *self._extra(kind)])
                 for kind, count in kinds for i in range(count)]
 
     def gateway_spec(self) -> ServiceSpec:
@@ -380,6 +399,11 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_OWNED_ENV}
         env.update(self.config.env)
         env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file as they happen
+        if not any(env.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                         TRACE_FILE_ENV)):
+            from tandem.telemetry import default_trace_file
+
+            env[TRACE_FILE_ENV] = str(default_trace_file())  # no collector: spans for `tandem trace`
         return env
 
     def _spawn(self, spec: ServiceSpec) -> ServiceProcess:
@@ -387,9 +411,12 @@ class Cluster:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, *spec.argv], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._child_env(), preexec_fn=_child_setup(os.getpid()), close_fds=True,
+                env=self._child_env(), preexec_fn=_child_setup(os.getpid(), self._cpus(spec.kind)), close_fds=True,
             )
         return ServiceProcess(spec.name, spec.kind, proc, log_path)
+
+    def _cpus(self, kind: str) -> list[int]:
+        return self.config.cpu_affinity.get(kind, [])
 
     @staticmethod
     def _wait_ready(pending: Sequence[ServiceProcess], timeout: float) -> None:
@@ -468,11 +495,12 @@ def _serving(svc: ServiceProcess, deadline: float) -> bool:
 
 
 def format_table(cluster: Cluster) -> str:
-    """One row per service: name, address, pid, log file."""
-    rows = [("SERVICE", "ADDRESS", "PID", "LOG")]
-    rows += [(s.name, s.ready.get("grpc", "-"), str(s.pid), str(s.log_path)) for s in cluster.services]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+    """One row per service: name, address, pid, its /metrics, log file."""
+    rows = [("SERVICE", "ADDRESS", "PID", "METRICS", "LOG")]
+    rows += [(s.name, s.ready.get("grpc", "-"), str(s.pid), s.ready.get("metrics", "-"), str(s.log_path))
+             for s in cluster.services]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
                      for row in rows)
 
 

@@ -83,6 +83,22 @@ async def start_server(services: Sequence[Service], host: str, port: int) -> Run
     return running
 
 
+def start_observability(kind: str, host: str, grpc_port: int, metrics_port: int) -> dict[str, str]:
+    """Tracing and the /metrics endpoint of one service process; the fields its READY line adds."""
+    from tandem import telemetry
+    from tandem.metrics import serve_metrics
+
+    telemetry.setup_tracing(kind, f"{host}:{grpc_port}")
+    port = serve_metrics(host, metrics_port)
+    return {"metrics": f"{host}:{port}"} if port else {}
+
+
+def stop_observability() -> None:
+    from tandem import telemetry
+
+    telemetry.shutdown_tracing()
+
+
 def announce(name: str, **fields: object) -> None:
     """The line ``tandem up`` and the tests read to learn a service's addresses."""
     extra = " ".join(f"{k}={v}" for k, v in fields.items())

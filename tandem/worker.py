@@ -18,14 +18,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
+from tandem import telemetry
+from tandem.metrics import TTFT_BUCKETS, add_metrics_args, counter, gauge, register_state
 from tandem.pb_convert import sampling_from_pb
-from tandem.service import Service, announce, setup_logging, start_server, stop_signal
+from tandem.service import (
+    Service,
+    announce,
+    setup_logging,
+    start_observability,
+    start_server,
+    stop_observability,
+    stop_signal,
+)
 from tandem.settings import env_default
 
 if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays for it, not `tandem --help`
@@ -33,6 +44,16 @@ if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays f
     from engine.engine import Engine
 
 log = logging.getLogger("tandem.worker")
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.queue = Histogram("tandem_request_queue_time_seconds", "Time requests waited in this engine's queue",
+                               buckets=TTFT_BUCKETS)
+        self.outcomes = Counter("tandem_worker_requests", "Prefill / Decode calls by final status", ["code"])
+
+
+METRICS = WorkerMetrics()
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
@@ -114,24 +135,71 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _outputs(
-        self, context: grpc.aio.ServicerContext, prompt: list[int], params: SamplingParams, request_id: str,
-        priority: int, **extra: Any,
+        self, context: grpc.aio.ServicerContext, ctx: Any, prompt: list[int], params: SamplingParams,
+        request_id: str, priority: int, **extra: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one call, counted in Stats; bad input is INVALID_ARGUMENT."""
+        """The engine's outputs for one call, counted in Stats and metrics; bad input is INVALID_ARGUMENT.
+
+        ``ctx`` is the request's trace context: its KV transfers are traced under it.
+        """
         self.active_rpcs += 1
         self.requests_total += 1
+        if self.connector is not None:
+            self.connector.trace(request_id, ctx)
+        code = "CANCELLED"
         try:
             stream = self.engine.generate(prompt, params, request_id, priority, **extra)
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    if out.times is not None:
+                        METRICS.queue.observe(out.times.queue)
                     yield out
+            code = "OK"
         except (ValueError, TypeError) as exc:
+            code = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # the engine step failed: a bug, not the caller's fault
+            code = "INTERNAL"
             log.exception("request %s failed in the engine", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             self.active_rpcs -= 1
+            METRICS.outcomes.labels(code).inc()
+            if self.connector is not None:
+                self.connector.trace(request_id, None)
+
+    def engine_state(self) -> list[Any]:
+        """What /metrics reads of the engine at scrape time."""
+        s, stats, total = self.core.scheduler, self.core.stats, self.core.num_total_blocks
+        pc = stats.prefix_cache
+        return [
+            gauge("tandem_num_requests_running", "Requests in the engine's running batch", len(s.running)),
+            gauge("tandem_num_requests_waiting", "Requests waiting for the engine", len(s.waiting)),
+            gauge("tandem_num_requests_loading_kv", "Requests waiting for KV from the kvstore", len(s.loading)),
+            gauge("tandem_kv_cache_usage_perc", "Fraction of KV blocks held by requests",
+                  (total - self.core.num_free_blocks) / total if total else 0.0),
+            counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", pc.query_tokens),
+            counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache", pc.hit_tokens),
+            counter("tandem_engine_prompt_tokens_computed", "Prompt tokens run through the model",
+                    stats.prompt_tokens_computed),
+            counter("tandem_engine_generation_tokens", "Tokens sampled by the engine", stats.generation_tokens),
+            counter("tandem_num_preemptions", "Requests preempted for lack of KV blocks", stats.num_preemptions),
+            counter("tandem_kv_load_failures", "KV loads that failed and were recomputed", stats.kv_load_failures),
+        ]
+
+
+def trace_prefill(ctx: Any, out: RequestOutput, prompt_len: int) -> None:
+    """``prefill.queue`` and ``prefill.compute`` from the engine's own stamps."""
+    t = out.times
+    if t is None:
+        return
+    telemetry.span_at("prefill.queue", ctx, t.arrival, t.scheduled)
+    telemetry.span_at("prefill.compute", ctx, t.scheduled, t.first_token, {
+        "gen_ai.usage.input_tokens": prompt_len,
+        "tandem.cached_tokens": out.num_cached_tokens,
+        "tandem.computed_tokens": prompt_len - out.num_cached_tokens,
+        "tandem.kv_load_ms": t.kv_load * 1000,
+    })
 
 
 def _queued_prompt_tokens(engine: Engine) -> int:
@@ -145,6 +213,15 @@ def _queued_prompt_tokens(engine: Engine) -> int:
         except RuntimeError:
             continue
     return 0
+
+
+def status_name(context: grpc.aio.ServicerContext) -> str:
+    """The status a call is ending with: the one it aborted with, else the caller went away."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 def ms(seconds: float) -> float:
@@ -163,6 +240,7 @@ def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
                    env_default("--kvstore", None, str) is None, help=help_kv)
     g.add_argument("--max-waiting", type=int, default=env_default("--max-waiting", 1024),
                    help="requests queued in the engine beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+    add_metrics_args(g)
 
 
 def build_engine(args: argparse.Namespace, role: str) -> tuple[AsyncEngine, Any]:
@@ -189,9 +267,12 @@ async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace) -
         args.port,
     )
     stop = stop_signal()
-    announce(name, grpc=f"{args.host}:{server.port}", role=servicer.role)
+    register_state(servicer.engine_state)
+    extra = start_observability(name, args.host, server.port, args.metrics_port)
+    announce(name, grpc=f"{args.host}:{server.port}", role=servicer.role, **extra)
     await stop.wait()
     await server.stop(grace=5)
+    stop_observability()
 
 
 def run(name: str, args: argparse.Namespace, make: Callable[[argparse.Namespace], WorkerServicer]) -> int:

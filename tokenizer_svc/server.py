@@ -18,11 +18,22 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+from prometheus_client import Counter, Gauge, Histogram
 
 from protos import tokenizer_pb2 as pb
 from protos import tokenizer_pb2_grpc as pb_grpc
+from tandem import telemetry
 from tandem.cli import resolve_model
-from tandem.service import Service, announce, setup_logging, start_server, stop_signal
+from tandem.metrics import TTFT_BUCKETS, add_metrics_args
+from tandem.service import (
+    Service,
+    announce,
+    setup_logging,
+    start_observability,
+    start_server,
+    stop_observability,
+    stop_signal,
+)
 from tandem.settings import env_default
 from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer, TokenizerInputError
 
@@ -52,13 +63,18 @@ class TokenizerService(pb_grpc.TokenizerServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.counters.tokenize_calls += 1
-        async with _statuses(context):
-            kind = request.WhichOneof("input")
-            if kind == "text":
-                return await self._tokenize_text(request.text, request.add_special_tokens)
-            if kind == "chat":
-                return await self._tokenize_chat(request.chat)
-            raise TokenizerInputError("the request has no input: set `text` or `chat`")
+        kind = request.WhichOneof("input")
+        with telemetry.server_span("tokenizer.tokenize", context.invocation_metadata(),
+                                   {"tandem.input": kind or ""}) as span, METRICS.tokenize_seconds.time():
+            async with _statuses(context, "Tokenize"):
+                if kind == "text":
+                    res = await self._tokenize_text(request.text, request.add_special_tokens)
+                elif kind == "chat":
+                    res = await self._tokenize_chat(request.chat)
+                else:
+                    raise TokenizerInputError("the request has no input: set `text` or `chat`")
+            span.set_attribute("gen_ai.usage.input_tokens", len(res.token_ids))
+            return res
 
     async def Detokenize(
         self, request_iterator: AsyncIterator[pb.DetokenizeRequest], context: grpc.aio.ServicerContext
@@ -66,12 +82,14 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         """One response per request; the stream ends after the request with ``finish``."""
         self.counters.detokenize_streams += 1
         self.counters.active_detokenize_streams += 1
+        METRICS.active.inc()
         try:
-            async with _statuses(context):
+            async with _statuses(context, "Detokenize"):
                 async for response in self._detokenize(request_iterator):
                     yield response
         finally:  # gRPC ends the requests or cancels this handler at its await when the client goes away
             self.counters.active_detokenize_streams -= 1
+            METRICS.active.dec()
 
     async def Info(
         self, request: pb.TokenizerInfoRequest, context: grpc.aio.ServicerContext
@@ -132,18 +150,36 @@ async def _cpu(fn: Callable[[], T], size: int, inline_limit: int) -> T:
     return fn() if size <= inline_limit else await asyncio.to_thread(fn)
 
 
+class TokenizerMetrics:
+    def __init__(self) -> None:
+        self.tokenize_seconds = Histogram("tandem_tokenizer_tokenize_seconds", "Time to tokenize one prompt",
+                                          buckets=TTFT_BUCKETS)
+        self.calls = Counter("tandem_tokenizer_requests", "Tokenizer calls by method and final status",
+                             ["method", "code"])
+        self.active = Gauge("tandem_tokenizer_active_detokenize_streams", "Detokenize streams open now")
+
+
+METRICS = TokenizerMetrics()
+
+
 @contextlib.asynccontextmanager
-async def _statuses(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+async def _statuses(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
     """The one place exceptions become statuses: caller mistakes INVALID_ARGUMENT, bugs INTERNAL."""
+    code = "CANCELLED"
     try:
         yield
+        code = "OK"
     except TokenizerInputError as exc:
+        code = "INVALID_ARGUMENT"
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except grpc.aio.AbortError:
         raise
     except Exception:
+        code = "INTERNAL"
         log.exception("bug while serving a tokenizer call")
         await context.abort(grpc.StatusCode.INTERNAL, "tokenizer service bug; see its log")
+    finally:
+        METRICS.calls.labels(method, code).inc()
 
 
 def build_service(tokenizer: TextTokenizer) -> Service:
@@ -156,6 +192,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "tokenizer.json (default: the bundled SmolLM2-135M-Instruct; env TANDEM_MODEL)")
     p.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address to bind and advertise")
     p.add_argument("--port", type=int, default=env_default("--port", 0), help="gRPC port (0: pick a free one)")
+    add_metrics_args(p)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -166,9 +203,11 @@ async def serve(args: argparse.Namespace) -> None:
     stop = stop_signal()
     log.info("model %s: vocab %d, eos ids %s, chat template %s", model, tokenizer.vocab_size,
              list(tokenizer.eos_token_ids), "yes" if tokenizer.has_chat_template else "no")
-    announce("tokenizer", grpc=f"{args.host}:{running.port}")
+    extra = start_observability("tokenizer", args.host, running.port, args.metrics_port)
+    announce("tokenizer", grpc=f"{args.host}:{running.port}", **extra)
     await stop.wait()
     await running.stop()
+    stop_observability()
 
 
 def run(args: argparse.Namespace) -> int:

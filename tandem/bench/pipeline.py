@@ -7,6 +7,10 @@ aggregated with ``--modes``) are measured alternately, request by request, in on
 run. TTFT is measured from the client's send to the first token it receives; the
 inter-token latency is the gap between consecutive tokens. Reported: medians and
 p90s, the TTFT overhead in milliseconds and the median ITL overhead in percent.
+
+``--tracing`` measures what tracing costs instead: two clusters, one exporting every
+span over OTLP/gRPC to a receiver in this process, one with ``OTEL_SDK_DISABLED``,
+measured alternately in the same way (target: median ITL overhead <= 3%).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from pathlib import Path
 
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
+from tandem import otlp_receiver
 from tandem.client import stream_generate
 from tandem.service import channel
 
 TARGET_TTFT_OVERHEAD_MS = 25.0
 TARGET_ITL_OVERHEAD = 0.10
+TARGET_TRACING_ITL_OVERHEAD = 0.03
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default="disaggregated", help="comma-separated: disaggregated, aggregated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tracing", action="store_true",
+                   help="compare a cluster with tracing on (OTLP to a local receiver) against one with it off")
     p.add_argument("--output-dir", default="bench-results")
 
 
@@ -140,8 +148,10 @@ async def measure(systems: dict[str, object], args: argparse.Namespace, vocab: i
     return series
 
 
-def report(series: dict[str, Series]) -> tuple[str, dict]:
-    base = series["in-process"].summary()
+def report(series: dict[str, Series], ttft_target: float | None, itl_target: float) -> tuple[str, dict]:
+    """A table against the first system; the targets mark the others' overheads."""
+    base_name = next(iter(series))
+    base = series[base_name].summary()
     lines = ["| system | TTFT median ms | TTFT p90 | ITL median ms | ITL p90 | TTFT overhead ms | ITL overhead |",
              "|---|---|---|---|---|---|---|"]
     figures = {}
@@ -151,9 +161,9 @@ def report(series: dict[str, Series]) -> tuple[str, dict]:
         itl_over = m["itl_ms_median"] / base["itl_ms_median"] - 1
         m.update(ttft_overhead_ms=ttft_over, itl_overhead=itl_over)
         figures[name] = m
-        over = "" if name == "in-process" else (
-            f"{ttft_over:+.1f} {'ok' if ttft_over <= TARGET_TTFT_OVERHEAD_MS else 'MISSED'} | "
-            f"{itl_over:+.1%} {'ok' if itl_over <= TARGET_ITL_OVERHEAD else 'MISSED'}")
+        ttft_mark = "" if ttft_target is None else (" ok" if ttft_over <= ttft_target else " MISSED")
+        over = "" if name == base_name else (
+            f"{ttft_over:+.1f}{ttft_mark} | {itl_over:+.1%} {'ok' if itl_over <= itl_target else 'MISSED'}")
         lines.append(f"| {name} | {m['ttft_ms_median']:.1f} | {m['ttft_ms_p90']:.1f} | {m['itl_ms_median']:.2f} | "
                      f"{m['itl_ms_p90']:.2f} | {over or '- | -'} |")
     return "\n".join(lines), figures
@@ -167,29 +177,46 @@ def run(args: argparse.Namespace) -> int:
         args.num_threads = 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     vocab = read_model_config(resolve_model(args.model))["vocab_size"]
-    local = InProcess(args)
-    clusters = []
+    local = None if args.tracing else InProcess(args)
+    clusters, receiver = [], None
     try:
-        systems: dict[str, object] = {"in-process": local}
-        for mode in modes:
-            cluster = Cluster(ClusterConfig(mode=mode, gateway_port=0, engine_args=engine_flags(args))).start()
+        systems: dict[str, object] = {} if local is None else {"in-process": local}
+        if args.tracing:
+            receiver, port, _ = otlp_receiver.start()
+            variants = {"tracing off": {"OTEL_SDK_DISABLED": "true"},
+                        "tracing on": {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
+            runs = [(name, modes[0], env) for name, env in variants.items()]
+        else:
+            runs = [(f"pipeline ({mode})", mode, {}) for mode in modes]
+        for name, mode, env in runs:
+            cluster = Cluster(ClusterConfig(mode=mode, gateway_port=0, engine_args=engine_flags(args), env=env))
+            clusters.append(cluster.start())
             cluster.wait_healthy(60)
-            clusters.append(cluster)
-            systems[f"pipeline ({mode})"] = ThroughGateway(cluster.gateway.address)
+            systems[name] = ThroughGateway(cluster.gateway.address)
         print(f"{args.num_requests} requests each (+{args.warmup} warm-up), one at a time, alternating; "
               f"{args.prompt_len}-token prompts, {args.max_tokens} tokens out, {args.num_threads} threads per engine")
         series = asyncio.run(measure(systems, args, vocab))
     finally:
         for cluster in clusters:
             cluster.stop()
-        local.close()
-    table, figures = report(series)
+        if local is not None:
+            local.close()
+        if receiver is not None:
+            receiver.stop(0)
+    if args.tracing:
+        table, figures = report(series, None, TARGET_TRACING_ITL_OVERHEAD)
+        targets = f"target: median ITL overhead of tracing <= {TARGET_TRACING_ITL_OVERHEAD:.0%}"
+    else:
+        table, figures = report(series, TARGET_TTFT_OVERHEAD_MS, TARGET_ITL_OVERHEAD)
+        targets = (f"targets: TTFT overhead <= {TARGET_TTFT_OVERHEAD_MS:.0f} ms, median ITL overhead <= "
+                   f"{TARGET_ITL_OVERHEAD:.0%}")
     print(table)
-    print(f"targets: TTFT overhead <= {TARGET_TTFT_OVERHEAD_MS:.0f} ms, median ITL overhead <= "
-          f"{TARGET_ITL_OVERHEAD:.0%}")
+    print(targets)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    kind = "tracing" if args.tracing else "pipeline"
+    path = out / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     doc = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "machine": platform.platform(),
            "figures": figures, "raw": {n: [asdict(x) for x in s.samples] for n, s in series.items()}}
     path.write_text(json.dumps(doc, indent=1, default=str))

@@ -12,9 +12,9 @@ TANDEM = [sys.executable, "-m", "tandem.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ})
+                          env={**os.environ, **(env or {})})
 
 
 def test_generate_local_streams_the_answer(default_model):
@@ -34,9 +34,12 @@ def test_generate_without_a_gateway_says_what_to_do():
 
 
 def test_up_generate_is_the_main_job(default_model, tmp_path):
-    """`make run`: the whole pipeline as processes, one streamed answer, then nothing left running."""
+    """`make run`: the whole pipeline as processes, one streamed answer, then nothing left running;
+    its trace is in the span file `tandem trace` reads."""
+    spans = tmp_path / "spans.jsonl"
     proc = run("up", "--generate", "What is the capital of France?", "--max-tokens", "32", "--model",
-               str(default_model), "--num-threads", "1", "--kv-cache-gb", "0.25", "--log-dir", str(tmp_path))
+               str(default_model), "--num-threads", "1", "--kv-cache-gb", "0.25", "--log-dir", str(tmp_path),
+               env={"TANDEM_TRACE_FILE": str(spans)})
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and "ttft" in proc.stderr
     pids = [int(line.split()[2]) for line in proc.stderr.splitlines() + proc.stdout.splitlines()
@@ -49,6 +52,10 @@ def test_up_generate_is_the_main_job(default_model, tmp_path):
         except ProcessLookupError:
             continue
         raise AssertionError(f"process {pid} outlived `tandem up`")
+    waterfall = run("trace", "--last", "1", env={"TANDEM_TRACE_FILE": str(spans)})
+    assert waterfall.returncode == 0, waterfall.stderr
+    for name in ("gateway.generate", "tokenizer.tokenize", "prefill.compute", "kv.pull", "decode.stream", "TTFT"):
+        assert name in waterfall.stdout
 
 
 def test_bad_sampling_flag_is_a_clear_error(default_model):

@@ -178,6 +178,15 @@ def test_a_cancelled_client_leaves_nothing_behind(cluster, tok, when):
     assert gateway_stats(cluster.gateway.address).finished_by_code["CANCELLED"] >= 1
 
 
+def test_a_deadline_ends_the_call_along_the_whole_chain(cluster, tok):
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a very long essay about rivers."}])
+    sampling = cpb.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    reply = asyncio.run(call(cluster.gateway.address, token_request(prompt, 500, sampling=sampling), timeout=2.0))
+    assert reply.code == grpc.StatusCode.DEADLINE_EXCEEDED and reply.elapsed_s < 5
+    assert 0 < len(reply.tokens) < 500
+    assert wait_clean(cluster) == [], "the workers stopped working on it too"
+
+
 BAD_REQUESTS = {
     "no input": gpb.GenerateRequest(),
     "empty prompt": gpb.GenerateRequest(prompt=""),

@@ -61,7 +61,7 @@ class TokenizerNode:
         if not line.startswith("TOKENIZER READY grpc="):
             self.stop(signal.SIGKILL)
             raise RuntimeError(f"the tokenizer service did not start: {line!r}\n{self.log.read_text()}")
-        return line.split("grpc=", 1)[1].strip()
+        return line.split("grpc=", 1)[1].split()[0]
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:

@@ -15,7 +15,8 @@ import time
 import grpc
 
 from engine.block_hash import prompt_block_hashes
-from engine.request import RequestOutput
+from engine.request import RequestHandedBack, RequestOutput
+from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
 from tandem import telemetry, worker
 from tandem.pb_convert import finish_reason, token_output
@@ -35,7 +36,7 @@ class DecodeServicer(worker.WorkerServicer):
         salt = request.cache_salt or None
         extra = {"cache_salt": salt, "output_token_ids": outputs}
         if request.HasField("handoff"):
-            extra["num_external_tokens"] = await self._external_tokens(request, prompt, salt, context)
+            extra["num_external_tokens"] = await self._external_tokens(request, prompt, outputs, salt, context)
         ctx = telemetry.incoming(context.invocation_metadata())
         stream = StreamTrace(ctx, prefills=not request.HasField("handoff") and not outputs)
         try:
@@ -44,26 +45,35 @@ class DecodeServicer(worker.WorkerServicer):
                 first = stream.step(out, len(prompt))
                 yield _message(out, first)
             stream.finish("OK")
+        except RequestHandedBack:
+            stream.finish("HANDED_BACK")
+            if self.connector is not None:  # the blocks it pushed are in the store for the next worker
+                await self.connector.wait_saved(request.request_id)
+            yield wpb.DecodeResponse(finish_reason=cpb.FINISH_REASON_MIGRATE)
         finally:
             stream.finish(worker.status_name(context))
 
-    async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], salt: str | None,
-                               context: grpc.aio.ServicerContext) -> int:
-        """How many leading tokens to pull: the handed-off prompt, unless its blocks are not ours."""
+    async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], outputs: list[int],
+                               salt: str | None, context: grpc.aio.ServicerContext) -> int:
+        """How many leading tokens of prompt + outputs to pull: what the handoff names, unless its
+        blocks are not ours (then everything is recomputed here)."""
         if self.connector is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this aggregated worker has no kvstore: send the request without a handoff")
-        handoff = request.handoff
-        if handoff.num_tokens != len(prompt):
+        n, total, bs = request.handoff.num_tokens, len(prompt) + len(outputs), self.core.config.block_size
+        if not 0 <= n < total:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the handoff covers {n} tokens; the request "
+                                f"has {total}, and at least the last one is computed here")
+        if n % bs and n != len(prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the handoff covers {handoff.num_tokens} tokens, the prompt has {len(prompt)}")
-        mine = prompt_block_hashes(self.core.fingerprint, prompt, self.core.config.block_size, salt)
-        if list(handoff.block_keys) != mine:
+                                f"a handoff covers whole blocks of {bs} tokens, or the whole prompt; got {n}")
+        mine = prompt_block_hashes(self.core.fingerprint, (prompt + outputs)[:n], bs, salt)
+        if list(request.handoff.block_keys) != mine:
             # Another model, dtype or block size produced them: pulling would load foreign bytes.
-            log.warning("request %s: the prefill's block keys are not this worker's; recomputing the prompt",
+            log.warning("request %s: the handed-off block keys are not this worker's; recomputing",
                         request.request_id)
             return 0
-        return len(prompt)
+        return n
 
 
 class StreamTrace:

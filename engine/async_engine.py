@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine import Engine
-from engine.request import RequestOutput
+from engine.request import RequestHandedBack, RequestOutput
 from engine.sampling_params import SamplingParams
 
 LOAD_POLL_S = 0.001
@@ -33,6 +33,7 @@ class _Add:
 class _Abort:
     request_id: str
     done: Future = field(default_factory=Future)
+    hand_back: bool = False  # tell the caller (RequestHandedBack) instead of going silent
 
 
 class AsyncEngine:
@@ -72,6 +73,13 @@ class AsyncEngine:
         """Queue an abort; the future completes once the engine thread has applied it, i.e. after
         any step that was running (and everything that step did for the request, such as KV saves)."""
         item = _Abort(request_id)
+        self._inbox.put(item)
+        return item.done
+
+    def hand_back(self, request_id: str) -> Future:
+        """Abort a running request and raise ``RequestHandedBack`` in its ``generate`` (after the
+        outputs already produced), so that its caller can continue it elsewhere."""
+        item = _Abort(request_id, hand_back=True)
         self._inbox.put(item)
         return item.done
 
@@ -119,8 +127,10 @@ class AsyncEngine:
 
     def _apply(self, item: _Add | _Abort) -> None:
         if isinstance(item, _Abort):
-            self.engine.abort(item.request_id)
-            self._sinks.pop(item.request_id, None)
+            known = self.engine.abort(item.request_id)
+            target = self._sinks.pop(item.request_id, None)
+            if item.hand_back and known and target is not None:
+                _send(*target, RequestHandedBack(item.request_id))
             item.done.set_result(None)
             return
         try:

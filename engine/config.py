@@ -153,6 +153,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, ties by arrival)
     role: str = "both"  # "both" (aggregated), "producer" (prefill only) or "consumer" (decode only)
+    # Consumer role: push full blocks of generated tokens to the connector as they fill, so that a
+    # request moved to another worker pulls its KV instead of recomputing it.
+    push_generated_blocks: bool = False
     attention_backend: str = "auto"  # "auto", "torch", "sdpa", "flash_attn"
     num_threads: int | None = None
     seed: int = 0

@@ -113,8 +113,8 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt)
         request.output_token_ids = outputs
         request.num_external_tokens = num_external_tokens
-        if self.role == "producer":  # what it loads came from the store: pushing it back would be wasted
-            request.num_saved_blocks = num_external_tokens // self.config.block_size
+        # What it loads came from the store: pushing it back would be wasted.
+        request.num_saved_blocks = num_external_tokens // self.config.block_size
         self.scheduler.add(request)
         return request_id
 
@@ -227,6 +227,7 @@ class Engine:
     ) -> list[RequestOutput]:
         bs, producer = self.config.block_size, self.role == "producer"
         saves = producer and self.connector is not None
+        saves_generated = self.config.push_generated_blocks and self.role == "consumer" and self.connector is not None
         for s in scheduled:
             r = s.request
             computed = r.num_computed_tokens
@@ -237,6 +238,8 @@ class Engine:
                 self.kv.cache_computed_blocks(r)
             if saves:
                 self._save_final_blocks(r)
+            elif saves_generated and computed // bs > r.num_saved_blocks:
+                self._save_full_blocks(r)
         self.stats.generation_tokens += len(sampling)
         now = time.monotonic()
         max_len, running = self.config.max_model_len, RequestStatus.RUNNING
@@ -284,6 +287,15 @@ class Engine:
         keys = [r.block_hashes[i] if i < len(r.block_hashes) else None for i in range(r.num_saved_blocks, end)]
         data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
         self.connector.save_blocks(r, r.num_saved_blocks, keys, data)
+        self.stats.kv_blocks_saved += end - r.num_saved_blocks
+        r.num_saved_blocks = end
+
+    def _save_full_blocks(self, r: Request) -> None:
+        """Consumer: hand the connector the blocks of prompt + generated tokens that became full."""
+        end = r.num_computed_tokens // self.config.block_size
+        self.kv.update_hashes(r, end * self.config.block_size)
+        data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
+        self.connector.save_blocks(r, r.num_saved_blocks, r.block_hashes[r.num_saved_blocks : end], data)
         self.stats.kv_blocks_saved += end - r.num_saved_blocks
         r.num_saved_blocks = end
 

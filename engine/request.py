@@ -38,6 +38,10 @@ _FINISH_REASONS = {
 }
 
 
+class RequestHandedBack(Exception):
+    """The engine gave a running request up (its worker is draining): the caller continues it elsewhere."""
+
+
 @dataclass(slots=True)
 class TokenLogprobs:
     """The chosen token's logprob and the top-n alternatives at one position."""

@@ -247,52 +247,82 @@ class Generation:
     async def _decode(
         self, rid: str, outputs: list[int], handoff: cpb.KVHandoff | None
     ) -> AsyncIterator[gpb.GenerateResponse]:
-        """Stream from a decode worker; another one takes over only if the first sent nothing."""
-        pool, plan, tried, last = self.core.pool, self.plan, [], None
-        prefills = handoff is None and not outputs  # aggregated: the worker computes the prompt
-        for _ in range(MAX_ATTEMPTS):
+        """Stream from a decode worker. When it dies or hands the request back (draining), the request
+        moves to another one with every token streamed so far, up to the migration limit: the client
+        sees no token lost or repeated, and seeded sampling goes on as if nothing happened."""
+        pool, plan, outputs = self.core.pool, self.plan, list(outputs)
+        failed: list[WorkerClient] = []
+        last: grpc.aio.AioRpcError | None = None
+        migrations = 0
+        while True:
+            prefills = handoff is None and not outputs  # aggregated: the worker computes the prompt
             picked = pool.pick(pool.decode, plan.keys, 0, len(plan.prompt) if prefills else 0,
-                               DECODE_STREAM_COST if prefills else 1, tried)
+                               DECODE_STREAM_COST if prefills else 1, failed)
             if picked is None:
-                break
+                raise self._no_worker("decode", last, migrations)
             worker, new_tokens = picked
-            tried.append(worker)
-            if prefills and len(tried) == 1:
+            if prefills and "routed" not in self.clock.marks:
                 self._routed(worker, new_tokens)
-            request = self._decode_request(rid, outputs, handoff)
+            call = worker.stub.Decode(self._decode_request(rid, outputs, handoff), timeout=self.timeout(),
+                                      metadata=self.record.metadata())
             worker.inflight += 1
             worker.pending_prompt_tokens += new_tokens
-            call = worker.stub.Decode(request, timeout=self.timeout(), metadata=self.record.metadata())
-            received = 0
+            received, reason = 0, None
             try:
                 async for msg in call:
+                    if msg.finish_reason == cpb.FINISH_REASON_MIGRATE:
+                        reason = f"decode worker {worker.address} is draining"
+                        break
                     if received == 0:
                         worker.pending_prompt_tokens -= new_tokens
                         new_tokens = 0
                         self._decode_started(worker, msg, prefills)
                     received += 1
+                    outputs.extend(msg.output.token_ids)
                     yield await self.out.message(msg.output, msg.finish_reason)
                     if self.out.finished:
                         return
-                raise GenerationError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended the "
-                                      "stream without a finish reason")
+                if reason is None:
+                    raise GenerationError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended the "
+                                          "stream without a finish reason")
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise downstream_error(f"decode worker {worker.address}", exc) from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     worker.mark_down(exc.details() or "unavailable")
-                if received:
-                    raise GenerationError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"decode worker {worker.address} failed mid-stream after {self.out.num_tokens} tokens: "
-                        f"{exc.details()}",
-                    ) from exc
-                last = exc
+                last, reason = exc, f"decode worker {worker.address} failed: {exc.details()}"
             finally:
                 worker.inflight -= 1
                 worker.pending_prompt_tokens -= new_tokens
                 call.cancel()
-        raise self._no_worker("decode", last)
+            failed.append(worker)
+            migrations += 1
+            if migrations > self.core.migration_limit:
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{reason}, after {self.out.num_tokens} tokens; "
+                                      f"the request was moved {migrations - 1} times, the limit is "
+                                      f"{self.core.migration_limit}")
+            self._migrating(worker, reason, len(outputs))
+            handoff = None if self.core.aggregated else await self._resume_handoff(outputs)
+
+    async def _resume_handoff(self, outputs: list[int]) -> cpb.KVHandoff:
+        """What the next decode worker can pull: the stored prefix of prompt + outputs (the prompt's
+        blocks, and generated blocks if decode workers push them), and the prompt's partial tail
+        block, which the store keeps until the request ends."""
+        plan, bs = self.plan, self.core.block_size
+        tokens = plan.prompt + outputs
+        keys = plan_keys(self.core.fingerprint, tokens, bs, plan.cache_salt)[: (len(tokens) - 1) // bs]
+        stored = await self.core.stored_blocks(keys, self.record.metadata())
+        n, partial = stored * bs, False
+        if stored == len(plan.prompt) // bs and len(plan.prompt) % bs:
+            n, partial = len(plan.prompt), True
+        return cpb.KVHandoff(kvstore_address=self.core.kvstore_address, num_tokens=n, block_keys=keys[:stored],
+                             has_partial=partial)
+
+    def _migrating(self, worker: WorkerClient, reason: str, num_tokens: int) -> None:
+        self.core.migrations += 1
+        self.core.metrics.migrations.inc()
+        self.record.root.add_event("migration", {"tandem.from_worker": worker.address, "reason": reason,
+                                                 "tandem.tokens_so_far": num_tokens})
 
     def _routed(self, worker: WorkerClient, new_tokens: int) -> None:
         self.clock.mark("routed")
@@ -328,12 +358,13 @@ class Generation:
             self.timings.prefill_queue_ms, self.timings.prefill_compute_ms = msg.queue_ms, msg.prefill_ms
             self.timings.decode_queue_ms = 0.0
 
-    def _no_worker(self, phase: str, last: grpc.aio.AioRpcError | None) -> GenerationError:
-        if last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    def _no_worker(self, phase: str, last: grpc.aio.AioRpcError | None, migrations: int = 0) -> GenerationError:
+        if last is not None and last.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.out.num_tokens == 0:
             return GenerationError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"every {phase} worker is full: "
                                    f"{last.details()}")
         detail = f" (last error: {last.details()})" if last is not None else ""
-        return GenerationError(grpc.StatusCode.UNAVAILABLE, f"no {phase} worker is available{detail}")
+        moved = f" after {self.out.num_tokens} tokens and {migrations} migrations" if migrations else ""
+        return GenerationError(grpc.StatusCode.UNAVAILABLE, f"no {phase} worker is available{moved}{detail}")
 
     def _finish(self, msg: gpb.GenerateResponse) -> None:
         t, c = self.timings, self.clock

@@ -61,6 +61,9 @@ class Gateway(gpb_grpc.GatewayServicer):
         self.inflight = 0
         self.requests_total = 0
         self.prefill_retries = 0
+        self.migrations = 0
+        self.migration_limit = args.migration_limit
+        self.kvstore_address = args.kvstore or ""
         self.metrics = RequestMetrics()
         self.finished_by_code: Counter[str] = Counter()
         self._active_ids: set[str] = set()
@@ -84,6 +87,10 @@ class Gateway(gpb_grpc.GatewayServicer):
     @property
     def block_size(self) -> int:
         return self.pool.any_info().block_size
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.pool.any_info().model_fingerprint
 
     # -- RPCs ---------------------------------------------------------------------------------
 
@@ -141,8 +148,8 @@ class Gateway(gpb_grpc.GatewayServicer):
                 prompt = await self._tokenize(request, context, record.metadata())
             clock.mark("tokenized")
             check_length(valid, len(prompt), limits)
-            keys = plan_keys(self.pool.any_info().model_fingerprint, prompt, self.block_size, request.cache_salt)
-            stored = await self._stored_blocks(keys, record.start_route())
+            keys = plan_keys(self.fingerprint, prompt, self.block_size, request.cache_salt)
+            stored = await self.stored_blocks(keys, record.start_route())
             plan = Plan(valid, prompt, keys, stored, request.cache_salt, request.priority)
             async for msg in self._run(plan, request, context, clock, record):
                 yield msg
@@ -187,6 +194,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             workers=[gpb.WorkerState(address=w.address, role=w.info.role if w.info else w.kind, healthy=w.healthy,
                                      inflight=w.inflight) for w in self.pool.all],
             prefill_retries=self.prefill_retries,
+            migrations=self.migrations,
             pending_partial_drops=len(self._drops),
         )
 
@@ -207,7 +215,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             raise GenerationError(code, f"tokenizer: {exc.details()}") from exc
         return list(res.token_ids)
 
-    async def _stored_blocks(self, keys: list[bytes], metadata: list[tuple[str, str]]) -> int:
+    async def stored_blocks(self, keys: list[bytes], metadata: list[tuple[str, str]]) -> int:
         """How many leading blocks the kvstore holds; 0 when it cannot say (the prefill recomputes)."""
         if self.kvstore is None or not keys:
             return 0
@@ -220,12 +228,11 @@ class Gateway(gpb_grpc.GatewayServicer):
         return len(res.blocks)
 
     def _drop_partials(self, gen: Generation, prompt_len: int) -> None:
-        """Request-scoped blocks nobody will pull: every attempt's when the request did not complete,
-        else the abandoned attempts' (the decode worker dropped the one it pulled)."""
+        """The request is over: its request-scoped blocks (every prefill attempt's prompt tail) go, whoever
+        pulled them (the store keeps them until now, for migrations)."""
         if self.kvstore is None or prompt_len % self.block_size == 0:
             return
-        ids = gen.partial_ids if not gen.out.finished else gen.partial_ids[:-1]
-        for rid in ids:
+        for rid in gen.partial_ids:
             task = asyncio.create_task(self._drop(rid))
             self._drops.add(task)
             task.add_done_callback(self._drops.discard)
@@ -259,6 +266,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Generate calls in flight beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--probe-interval-s", type=float, default=env_default("--probe-interval-s", 1.0),
                    help="how often workers are health-checked and their load read")
+    p.add_argument("--migration-limit", type=int, default=env_default("--migration-limit", 3),
+                   help="times a request may move to another decode worker (death or drain) before it fails "
+                        "with UNAVAILABLE")
     add_metrics_args(p)
 
 

@@ -52,6 +52,7 @@ class KVStoreConnector(KVConnector):
         self._failed_blocks: dict[str, int] = {}  # per request not yet collected by ``wait_saved``
         self._pulls = 0
         self._traces: dict[str, Any] = {}  # request id -> the trace context of its transfers
+        self._touched: set[str] = set()  # requests whose partial blocks this side pulled
         self.failed_saves = 0
         self.address = address
         self.metrics = transfer_metrics()
@@ -147,10 +148,16 @@ class KVStoreConnector(KVConnector):
             log.warning("dropping the partial blocks of %s failed: %s", request_id, exc)
 
     def request_finished(self, request: Request) -> None:
-        """A request that pushed blocks and will not be decoded elsewhere (it ended at its first token,
-        or was aborted) leaves no partial block behind. Called from the engine thread after the
-        request's last save, so its pushes are all known here."""
-        if request.num_saved_blocks and request.status.finish_reason != "prefilled":
+        """A request that ends here leaves no partial block behind: the prompt's tail a consumer
+        pulled (kept until now, so that a request moved to another worker can pull it again), or
+        what a producer pushed for a request that ended at its first token or was aborted. Called
+        from the engine thread after the request's last save, so its pushes are all known here."""
+        if request.status.finish_reason == "prefilled":
+            return  # a decode worker pulls them next
+        with self._lock:
+            touched = request.request_id in self._touched
+            self._touched.discard(request.request_id)
+        if touched or request.num_saved_blocks:
             self.discard_request(request.request_id)
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -169,6 +176,8 @@ class KVStoreConnector(KVConnector):
         partials = [r for r in refs if not isinstance(r, bytes)]
         with self._lock:
             self._pulls += 1
+            if partials:
+                self._touched.add(request.request_id)
         self._call(self._load(request.request_id, keys, partials, num_blocks, self._trace_of(request.request_id)))
 
     async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
@@ -192,8 +201,6 @@ class KVStoreConnector(KVConnector):
         nbytes = sum(b.nbytes for b in pulled.blocks)
         span.set_attributes(_transfer_attributes(nbytes, seconds, ""))
         self.metrics.observe("pull", len(pulled.blocks), nbytes, seconds)
-        if partials:
-            await self.client.drop_partials(request_id)
         if len(pulled.blocks) < n:
             return LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
         raw = torch.from_numpy(np.stack(pulled.blocks))

@@ -24,7 +24,7 @@ from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
 from kvstore.pool import BlockPool
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from tandem.metrics import add_metrics_args, counter, gauge, register_state
-from tandem.service import announce, start_observability, stop_observability, stop_signal
+from tandem.service import SERVER_OPTIONS, announce, start_observability, stop_observability, stop_signal
 from tandem.settings import env_default
 
 log = logging.getLogger("tandem.kvstore")
@@ -72,7 +72,7 @@ async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: st
 
 async def serve(args: argparse.Namespace) -> None:
     pool = BlockPool(int(args.capacity_gb * 2**30), args.block_bytes, args.partial_ttl_s)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     node_id = args.node_id or f"{socket.gethostname()}:{port}"
     data = DataPlaneServer(pool.buffer)

@@ -107,7 +107,7 @@ class WorkerState(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class GatewayStatsResponse(_message.Message):
-    __slots__ = ("inflight", "requests_total", "finished_by_code", "workers", "prefill_retries", "pending_partial_drops")
+    __slots__ = ("inflight", "requests_total", "finished_by_code", "workers", "prefill_retries", "pending_partial_drops", "migrations")
     class FinishedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,10 +121,12 @@ class GatewayStatsResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RETRIES_FIELD_NUMBER: _ClassVar[int]
     PENDING_PARTIAL_DROPS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     inflight: int
     requests_total: int
     finished_by_code: _containers.ScalarMap[str, int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     prefill_retries: int
     pending_partial_drops: int
-    def __init__(self, inflight: _Optional[int] = ..., requests_total: _Optional[int] = ..., finished_by_code: _Optional[_Mapping[str, int]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., pending_partial_drops: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, inflight: _Optional[int] = ..., requests_total: _Optional[int] = ..., finished_by_code: _Optional[_Mapping[str, int]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., prefill_retries: _Optional[int] = ..., pending_partial_drops: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...

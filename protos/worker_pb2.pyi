@@ -75,6 +75,16 @@ class DecodeResponse(_message.Message):
     prefill_ms: float
     def __init__(self, output: _Optional[_Union[_common_pb2.TokenOutput, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., kv_pull_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("handed_back",)
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    handed_back: int
+    def __init__(self, handed_back: _Optional[int] = ...) -> None: ...
+
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

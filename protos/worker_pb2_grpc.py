@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.WorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.v1.Worker/Drain',
+                request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +95,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking requests (health NOT_SERVING, new calls UNAVAILABLE) and hand the running ones
+        back: each open Decode stream ends with FINISH_REASON_MIGRATE, and the gateway moves it to
+        another decode worker. SIGTERM does the same before the process exits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_worker__pb2.WorkerStatsRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.WorkerStatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Worker:
             '/tandem.v1.Worker/Stats',
             protos_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
             protos_dot_worker__pb2.WorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Drain',
+            protos_dot_worker__pb2.DrainRequest.SerializeToString,
+            protos_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

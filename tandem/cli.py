@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_args(pipe)
     add_engine_args(pipe)
     pipe.set_defaults(func=_cmd_bench_pipeline)
+    mig = bench_sub.add_parser("migration", help="the pause a client sees when its decode worker dies: "
+                               "recompute against pull")
+    from tandem.bench.migration import add_args as add_migration_args
+
+    add_migration_args(mig)
+    add_engine_args(mig)
+    mig.set_defaults(func=_cmd_bench_migration)
     kv_bench = bench_sub.add_parser("kv", help="kvstore push/pull against memcpy and gRPC bytes, cross-process")
     from tandem.bench.kv import add_args as add_kv_args
 
@@ -282,6 +289,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from tandem.bench.pipeline import run
+
+    return run(args)
+
+
+def _cmd_bench_migration(args: argparse.Namespace) -> int:
+    from tandem.bench.migration import run
 
     return run(args)
 

@@ -9,9 +9,10 @@ Children write stdout and stderr to ``<log dir>/<name>.log``; the launcher tails
 file instead of holding a pipe (a pipe nobody reads fills up and blocks the child).
 Children never outlive the launcher: each runs in its own process group (a Ctrl-C in
 the terminal reaches only the launcher, which then stops them in order), gets SIGTERM
-from the kernel if the launcher dies (Linux ``PR_SET_PDEATHSIG``), and is stopped at
-interpreter exit. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child
-exits, so start a cluster from a thread that outlives it (the main thread).
+from the kernel if the launcher dies (Linux ``PR_SET_PDEATHSIG``, set by the child itself
+through ``tandem.child``), and is stopped at interpreter exit. ``PR_SET_PDEATHSIG`` fires
+when the *thread* that forked the child exits, so start a cluster from a thread that
+outlives it (the main thread).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -48,7 +48,6 @@ LAUNCHER_OWNED_ENV = (
     "TANDEM_MODE", "TANDEM_DECODE_WORKERS", "TANDEM_PREFILL_WORKERS", "TANDEM_REDIS_URL", "TANDEM_GATEWAY",
     "TANDEM_METRICS_PORT",
 )
-PR_SET_PDEATHSIG = 1
 TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
 LOG_TAIL_LINES = 20
 
@@ -104,35 +103,6 @@ def tail_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
     return data.decode("utf-8", "replace").splitlines()[-n:]
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-def _child_setup(parent_pid: int, cpus: Sequence[int] = ()) -> Callable[[], None]:
-    """Runs in the child between fork and exec: own process group, die with the launcher, and
-    (with ``cpus``) run only on those cores, so that services measured against each other do not
-    steal each other's cores."""
-
-    def setup() -> None:
-        os.setpgid(0, 0)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-                os._exit(1)
-
-    return setup
-
-
 @dataclass(slots=True)
 class ServiceSpec:
     """What to run: ``sys.executable`` followed by ``argv`` (e.g. ``["-m", "kvstore.server", ...]``)."""
@@ -152,6 +122,7 @@ class ServiceProcess:
     log_path: Path
     ready: dict[str, str] = field(default_factory=dict)
     ready_name: str | None = None
+    spec: ServiceSpec | None = None  # how it was started (``Cluster.restart`` starts it again)
     _offset: int = field(default=0, repr=False)  # how far the log has been read for the READY line
     _partial: bytes = field(default=b"", repr=False)
 
@@ -408,12 +379,18 @@ class Cluster:
 
     def _spawn(self, spec: ServiceSpec) -> ServiceProcess:
         log_path = self.log_dir / f"{spec.name}.log"
-        with open(log_path, "wb") as log:
+        offset = log_path.stat().st_size if log_path.exists() else 0  # a restart appends to its log
+        with open(log_path, "ab") as log:
+            env = self._child_env()
+            env["TANDEM_PARENT_PID"] = str(os.getpid())  # tandem.child: die with the launcher
+            env["TANDEM_CPUS"] = ",".join(map(str, self._cpus(spec.kind)))
+            # A process group of its own (set before exec, no Python in between): Ctrl-C on the
+            # launcher's terminal does not reach it; the launcher stops it in order.
             proc = subprocess.Popen(
-                [sys.executable, *spec.argv], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._child_env(), preexec_fn=_child_setup(os.getpid(), self._cpus(spec.kind)), close_fds=True,
+                [sys.executable, "-m", "tandem.child", *spec.argv], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=env, process_group=0, close_fds=True,
             )
-        return ServiceProcess(spec.name, spec.kind, proc, log_path)
+        return ServiceProcess(spec.name, spec.kind, proc, log_path, spec=spec, _offset=offset)
 
     def _cpus(self, kind: str) -> list[int]:
         return self.config.cpu_affinity.get(kind, [])
@@ -433,6 +410,35 @@ class Cluster:
                 raise waiting[0].failure(f"printed no READY line within {timeout:.0f} s")
             if waiting:
                 time.sleep(0.05)
+
+    def restart(self, *services: ServiceProcess, timeout: float | None = None) -> list[ServiceProcess]:
+        """Start services again on their gRPC addresses (stopping those that run): the gateway's
+        health checks find them there, as they would pods that Kubernetes restarted. Call it from
+        the thread that started the cluster (children die with the thread that forked them)."""
+        fresh = []
+        for svc in services:
+            if svc.alive:
+                svc.stop()
+            argv = list(svc.spec.argv)
+            argv[argv.index("--port") + 1] = svc.address.rsplit(":", 1)[1]
+            fresh.append(self._spawn(ServiceSpec(svc.name, svc.kind, argv)))
+        try:
+            self._wait_ready(fresh, self.config.startup_timeout if timeout is None else timeout)
+        except BaseException:
+            for f in fresh:
+                f.stop()
+            raise
+        for old, new in zip(services, fresh, strict=True):
+            self._replace(old, new)
+        return fresh
+
+    def _replace(self, old: ServiceProcess, new: ServiceProcess) -> None:
+        for group in (*self._tiers, self.prefill, self.decode):
+            if old in group:
+                group[group.index(old)] = new
+        for kind in ("kvstore", "tokenizer", "gateway"):
+            if getattr(self, kind) is old:
+                setattr(self, kind, new)
 
     def _register(self, svc: ServiceProcess) -> None:
         if svc.kind in ("prefill", "decode"):

@@ -89,6 +89,7 @@ class RequestMetrics:
         self.outcomes = Counter("tandem_requests", "Requests by final gRPC status code", ["code"])
         self.running = Gauge("tandem_num_requests_running", "Requests in flight at the gateway")
         self.prefill_retries = Counter("tandem_prefill_retries", "Prefill attempts re-sent to another worker")
+        self.migrations = Counter("tandem_migrations", "Requests moved to another decode worker mid-stream")
 
 
 class TransferMetrics:

@@ -58,8 +58,8 @@ def setup_tracing(service: str, instance: str = "") -> bool:
     attributes = {"service.namespace": "tandem"}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = f"tandem-{service}"
-    if instance:
-        attributes["service.instance.id"] = instance
+    if instance and "service.instance.id" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        attributes["service.instance.id"] = instance  # the deployment's own id wins when it gives one
     _provider = TracerProvider(resource=Resource.create(attributes))
     _provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(_provider)

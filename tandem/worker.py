@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from engine.request import RequestOutput
+from engine.request import RequestHandedBack, RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -69,6 +69,9 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.max_waiting = max_waiting
         self.active_rpcs = 0
         self.requests_total = 0
+        self.active: set[str] = set()  # request ids of the calls in progress
+        self.draining = False
+        self.server: Any = None  # the RunningServer, for health during a drain
 
     async def Info(self, request: wpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> wpb.WorkerInfoResponse:
         cfg, mc = self.core.config, self.core.model_config
@@ -119,8 +122,33 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {self.role} worker: it does not decode")
 
+    async def Drain(self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext) -> wpb.DrainResponse:
+        return wpb.DrainResponse(handed_back=await self.drain())
+
+    async def drain(self) -> int:
+        """Stop admitting; hand running decodes back to the gateway (prefills just finish)."""
+        self.draining = True
+        if self.server is not None:
+            await self.server.set_serving(False)
+        if self.role == "prefill":
+            return 0
+        ids = list(self.active)
+        for rid in ids:
+            self.engine.hand_back(rid)
+        log.info("draining: handed %d requests back", len(ids))
+        return len(ids)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no call is in progress (a drain's hand-backs reached the gateway), or ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.active_rpcs and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.active_rpcs == 0
+
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        """Refuse at the door when the queue is full: the gateway tries another worker."""
+        """Refuse at the door when draining or when the queue is full: the gateway tries another worker."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this {self.role} worker is draining")
         if len(self.core.scheduler.waiting) >= self.max_waiting:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.role} worker queue is full ({self.max_waiting} waiting)"
@@ -144,6 +172,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         """
         self.active_rpcs += 1
         self.requests_total += 1
+        self.active.add(request_id)
         if self.connector is not None:
             self.connector.trace(request_id, ctx)
         code = "CANCELLED"
@@ -162,8 +191,12 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             code = "INTERNAL"
             log.exception("request %s failed in the engine", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except RequestHandedBack:
+            code = "HANDED_BACK"
+            raise
         finally:
             self.active_rpcs -= 1
+            self.active.discard(request_id)
             METRICS.outcomes.labels(code).inc()
             if self.connector is not None:
                 self.connector.trace(request_id, None)
@@ -240,6 +273,12 @@ def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
                    env_default("--kvstore", None, str) is None, help=help_kv)
     g.add_argument("--max-waiting", type=int, default=env_default("--max-waiting", 1024),
                    help="requests queued in the engine beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+    g.add_argument("--drain-timeout-s", type=float, default=env_default("--drain-timeout-s", 10.0),
+                   help="on SIGTERM, how long running calls may take to finish or be handed back")
+    g.add_argument("--push-generated-blocks", action=argparse.BooleanOptionalAction,
+                   default=env_default("--push-generated-blocks", False, bool),
+                   help="decode: push full blocks of generated tokens to the kvstore as they fill, so that a "
+                        "migrated request pulls them instead of recomputing")
     add_metrics_args(g)
 
 
@@ -251,6 +290,7 @@ def build_engine(args: argparse.Namespace, role: str) -> tuple[AsyncEngine, Any]
 
     config = engine_config(args)
     config.role = role
+    config.push_generated_blocks = args.push_generated_blocks
     connector = None
     if args.kvstore:
         from kvstore.connector import KVStoreConnector
@@ -267,11 +307,16 @@ async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace) -
         args.port,
     )
     stop = stop_signal()
+    servicer.server = server
     register_state(servicer.engine_state)
     extra = start_observability(name, args.host, server.port, args.metrics_port)
     announce(name, grpc=f"{args.host}:{server.port}", role=servicer.role, **extra)
     await stop.wait()
-    await server.stop(grace=5)
+    # SIGTERM drains: readiness goes false, running decodes are handed back to the gateway (which
+    # moves them to other workers), running prefills finish; then the server stops.
+    await servicer.drain()
+    await servicer.wait_idle(args.drain_timeout_s)
+    await server.stop(grace=1)
     stop_observability()
 
 

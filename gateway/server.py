@@ -14,15 +14,17 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
+from gateway.auth import ApiKey, AuthError, KeyRing, KeysFileError, Lease
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import Clock, Generation, GenerationError, Output, Plan, plan_keys
 from gateway.observe import RequestRecord
 from gateway.stop_strings import StopMatcher
-from gateway.validation import InvalidRequest, ModelLimits, check_length, validate
+from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_length, validate
 from gateway.workers import WorkerPool
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
@@ -42,15 +44,17 @@ from tandem.service import (
     stop_signal,
 )
 from tandem.settings import env_default
+from tandem.tls import ServiceTLS, add_tls_args, setup
 
 log = logging.getLogger("tandem.gateway")
 
 MODES = ("disaggregated", "aggregated")
 CONTROL_TIMEOUT_S = 5.0
+SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 class Gateway(gpb_grpc.GatewayServicer):
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, metrics: RequestMetrics | None = None) -> None:
         self.mode = args.mode
         self.aggregated = args.mode == "aggregated"
         self.pool = WorkerPool([] if self.aggregated else _split(args.prefill_workers), _split(args.decode_workers),
@@ -62,9 +66,13 @@ class Gateway(gpb_grpc.GatewayServicer):
         self.requests_total = 0
         self.prefill_retries = 0
         self.migrations = 0
+        self.draining = False
         self.migration_limit = args.migration_limit
         self.kvstore_address = args.kvstore or ""
-        self.metrics = RequestMetrics()
+        self.metrics = metrics or RequestMetrics()
+        # API keys (gateway.auth): None, no authentication.
+        self.keys = KeyRing.load(args.api_keys_file) if args.api_keys_file else None
+        self.max_prompt_tokens = args.max_prompt_tokens
         self.finished_by_code: Counter[str] = Counter()
         self._active_ids: set[str] = set()
         self._drops: set[asyncio.Task] = set()
@@ -82,6 +90,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             vocab_size=info.vocab_size,
             max_model_len=min(w.info.max_model_len for w in ready),
             max_request_tokens=min(w.info.num_kv_blocks * w.info.block_size for w in ready),
+            max_prompt_tokens=self.max_prompt_tokens,
         )
 
     @property
@@ -94,21 +103,43 @@ class Gateway(gpb_grpc.GatewayServicer):
 
     # -- RPCs ---------------------------------------------------------------------------------
 
+    async def drain(self, server, timeout: float) -> None:
+        """Stop admitting (readiness false first, then UNAVAILABLE to new calls) and let the streams
+        in flight finish, for up to ``timeout`` seconds: what SIGTERM does before the process exits."""
+        self.draining = True
+        await server.set_serving(False)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.inflight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("drain timeout: %d streams still in flight are cut", self.inflight)
+
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.requests_total += 1
+        if self.draining:
+            self.finished_by_code["UNAVAILABLE"] += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this gateway is shutting down; retry (another "
+                                "replica, or this one once it is back)")
         record = RequestRecord(self.metrics, context.invocation_metadata(), self.inflight)
-        if request.request_id:  # before validation: a refused request is found by its id too
+        if isinstance(request, gpb.GenerateRequest) and request.request_id:  # a refused request is found by id too
             record.attributes(**{"tandem.request_id": request.request_id[:128]})
+        tenant: ApiKey | None = None
+        lease: Lease | None = None
+        try:
+            tenant = self._authenticate(context, record)
+            lease = self.keys.admit(tenant) if tenant is not None else None
+        except AuthError as exc:
+            await self._refuse(context, record, tenant, exc.code, exc.message)
         if self.inflight >= self.max_inflight:
-            message = f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later"
-            self.finished_by_code["RESOURCE_EXHAUSTED"] += 1
-            record.finish("RESOURCE_EXHAUSTED", message, None)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            if lease is not None:
+                lease.release()
+            await self._refuse(context, record, tenant, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
         self.inflight += 1
         self.metrics.running.inc()
         code, message, last = "CANCELLED", "", None
         try:
-            async with contextlib.aclosing(self._generate(request, context, record)) as stream:
+            async with contextlib.aclosing(self._generate(request, context, record, tenant)) as stream:
                 async for msg in stream:
                     record.sent(msg)
                     last = msg
@@ -128,10 +159,46 @@ class Gateway(gpb_grpc.GatewayServicer):
             self.inflight -= 1
             self.metrics.running.dec()
             self.finished_by_code[code] += 1
+            if lease is not None:
+                lease.release()
+            self._count_key(tenant, code)
             record.finish(code, message, last)
 
+    def _authenticate(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None
+                      ) -> ApiKey | None:
+        """The caller's key (None with authentication off); AuthError when it is missing or unknown."""
+        if self.keys is None:
+            return None
+        key = self.keys.authenticate(context.invocation_metadata())
+        if record is not None:
+            record.attributes(**{"tandem.api_key": key.name})  # the key's name; the key itself never
+        return key
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, record: RequestRecord, tenant: ApiKey | None,
+                      code: grpc.StatusCode, message: str) -> None:
+        """End a Generate call before it is admitted."""
+        self.finished_by_code[code.name] += 1
+        self._count_key(tenant, code.name)
+        record.finish(code.name, message, None)
+        await context.abort(code, message)
+
+    def _count_key(self, tenant: ApiKey | None, code: str) -> None:
+        if tenant is not None:
+            self.metrics.api_key_requests.labels(tenant.name, code).inc()
+
+    async def _check_call(self, request: object, context: grpc.aio.ServicerContext) -> None:
+        """The checks of the unary RPCs: an API key (when on), a message that parsed."""
+        try:
+            self._authenticate(context)
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+
     async def _generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        record: RequestRecord) -> AsyncIterator[gpb.GenerateResponse]:
+                        record: RequestRecord, tenant: ApiKey | None) -> AsyncIterator[gpb.GenerateResponse]:
+        if isinstance(request, Malformed):
+            raise InvalidRequest(request.error)
         limits = self.limits()
         if limits is None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, "no workers are ready yet")
@@ -148,9 +215,10 @@ class Gateway(gpb_grpc.GatewayServicer):
                 prompt = await self._tokenize(request, context, record.metadata())
             clock.mark("tokenized")
             check_length(valid, len(prompt), limits)
-            keys = plan_keys(self.fingerprint, prompt, self.block_size, request.cache_salt)
+            salt = tenant.salt(request.cache_salt) if tenant is not None else request.cache_salt
+            keys = plan_keys(self.fingerprint, prompt, self.block_size, salt)
             stored = await self.stored_blocks(keys, record.start_route())
-            plan = Plan(valid, prompt, keys, stored, request.cache_salt, request.priority)
+            plan = Plan(valid, prompt, keys, stored, salt, request.priority)
             async for msg in self._run(plan, request, context, clock, record):
                 yield msg
         finally:
@@ -176,6 +244,7 @@ class Gateway(gpb_grpc.GatewayServicer):
 
     async def ListModels(self, request: gpb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> gpb.ListModelsResponse:
+        await self._check_call(request, context)
         limits = self.limits()
         if limits is None:
             return gpb.ListModelsResponse()
@@ -187,6 +256,7 @@ class Gateway(gpb_grpc.GatewayServicer):
 
     async def Stats(self, request: gpb.GatewayStatsRequest, context: grpc.aio.ServicerContext
                     ) -> gpb.GatewayStatsResponse:
+        await self._check_call(request, context)
         return gpb.GatewayStatsResponse(
             inflight=self.inflight,
             requests_total=self.requests_total,
@@ -247,6 +317,42 @@ class Gateway(gpb_grpc.GatewayServicer):
         await self.pool.close()
 
 
+class Malformed:
+    """Stands in for a request message that does not parse: the RPC answers INVALID_ARGUMENT with ``error``
+    (the generated parsers raise, which gRPC answers with UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _parser(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            reason = str(exc).rpartition(": ")[2] or "it does not parse"
+            return Malformed(f"the request is not a valid {cls.DESCRIPTOR.full_name} message: {reason}")
+
+    return parse
+
+
+def add_gateway_servicer(servicer: Gateway, server: grpc.aio.Server) -> None:
+    """``add_GatewayServicer_to_server`` with parsers that make a malformed message the client's mistake."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, _parser(gpb.GenerateRequest), gpb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, _parser(gpb.ListModelsRequest), gpb.ListModelsResponse.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, _parser(gpb.GatewayStatsRequest), gpb.GatewayStatsResponse.SerializeToString),
+    }
+    assert set(handlers) == set(gpb.DESCRIPTOR.services_by_name["Gateway"].methods_by_name)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # as the generated code: the faster dispatch
+
+
 def _split(addresses: str | None) -> list[str]:
     return [a.strip() for a in (addresses or "").split(",") if a.strip()]
 
@@ -266,10 +372,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Generate calls in flight beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--probe-interval-s", type=float, default=env_default("--probe-interval-s", 1.0),
                    help="how often workers are health-checked and their load read")
+    p.add_argument("--drain-timeout-s", type=float, default=env_default("--drain-timeout-s", 30.0),
+                   help="on SIGTERM, how long streams in flight may take to finish before the gateway exits")
     p.add_argument("--migration-limit", type=int, default=env_default("--migration-limit", 3),
                    help="times a request may move to another decode worker (death or drain) before it fails "
                         "with UNAVAILABLE")
+    p.add_argument("--api-keys-file", default=env_default("--api-keys-file", None, str),
+                   help="YAML or JSON file of API key entries (name, sha256 of the key, optional limits; "
+                        "`tandem keys add NAME` writes one); read again when it changes. Unset: no authentication")
+    p.add_argument("--max-prompt-tokens", type=int, default=env_default("--max-prompt-tokens", 0),
+                   help="longest prompt in tokens a client may send (0: what the model and the KV cache take)")
+    p.add_argument("--max-request-bytes", type=int, default=env_default("--max-request-bytes", MAX_REQUEST_BYTES),
+                   help="largest request message on the public port; gRPC refuses larger ones (RESOURCE_EXHAUSTED)")
     add_metrics_args(p)
+    add_tls_args(p, public=True)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -279,13 +395,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("tandem serve gateway: give at least one --decode-workers address")
     if args.mode == "disaggregated" and not (_split(args.prefill_workers) and args.kvstore):
         raise SystemExit("tandem serve gateway: disaggregated mode needs --prefill-workers and --kvstore")
+    if args.api_keys_file:
+        try:
+            KeyRing.load(args.api_keys_file)
+        except KeysFileError as exc:
+            raise SystemExit(f"tandem serve gateway: {exc}") from exc
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
+    tls = tls or setup(args, "gateway", public=True)  # before Gateway: it opens the internal channels
     gateway = Gateway(args)
     name = gpb.DESCRIPTOR.services_by_name["Gateway"].full_name
-    server = await start_server([Service(name, gpb_grpc.add_GatewayServicer_to_server, gateway)], args.host,
-                                args.port)
+    server = await start_server([Service(name, add_gateway_servicer, gateway)], args.host,
+                                args.port, tls, max_receive_bytes=args.max_request_bytes)
     await gateway.pool.probe_all()
     serving = None
 
@@ -302,10 +424,11 @@ async def serve(args: argparse.Namespace) -> None:
     watcher = asyncio.create_task(readiness())
     stop = stop_signal()
     extra = start_observability("gateway", args.host, server.port, args.metrics_port)
-    announce("gateway", grpc=f"{args.host}:{server.port}", mode=args.mode, **extra)
+    announce("gateway", grpc=f"{args.host}:{server.port}", mode=args.mode, **server.ready_fields(args.host), **extra)
     await stop.wait()
     watcher.cancel()
-    await server.stop(grace=5)
+    await gateway.drain(server, args.drain_timeout_s)
+    await server.stop(grace=1)
     await gateway.close()
     stop_observability()
 
@@ -313,7 +436,8 @@ async def serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     setup_logging()
-    asyncio.run(serve(args))
+    tls = setup(args, "gateway", public=True)
+    asyncio.run(serve(args, tls))
     return 0
 
 

@@ -8,21 +8,29 @@ tokenization, in ``check_length``.
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from tandem.pb_convert import sampling_from_pb
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: `$` would let a trailing newline through
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_CHAT_MESSAGES = 1024
-MAX_PROMPT_CHARS = 4 * 2**20
+MAX_PROMPT_CHARS = 4 * 2**20  # a prompt, or all of a chat's messages together
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_MODEL_CHARS = 256
+# The public port's largest message (a 4M-character prompt of 4-byte characters fits); internal ports take
+# tandem.service.MAX_MESSAGE_BYTES. Larger messages are refused by gRPC itself with RESOURCE_EXHAUSTED.
+MAX_REQUEST_BYTES = 16 * 2**20
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class InvalidRequest(ValueError):
@@ -37,6 +45,12 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_request_tokens: int  # what one request's KV may take in the smallest worker's pool
+    max_prompt_tokens: int = 0  # the gateway's own limit (--max-prompt-tokens); 0: the model's
+
+    @property
+    def prompt_token_limit(self) -> int:
+        cap = min(self.max_model_len, self.max_request_tokens) - 1
+        return min(cap, self.max_prompt_tokens) if self.max_prompt_tokens > 0 else cap
 
 
 @dataclass(slots=True)
@@ -51,8 +65,10 @@ class ValidRequest:
 def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
     request_id = _request_id(req.request_id)
     if req.model and req.model != limits.model:
-        raise InvalidRequest(f"unknown model {req.model!r}: this gateway serves {limits.model!r}")
+        shown = repr(req.model) if len(req.model) <= MAX_MODEL_CHARS else f"of {len(req.model)} characters"
+        raise InvalidRequest(f"unknown model {shown}: this gateway serves {limits.model!r}")
     token_ids = _input(req, limits)
+    _check_sampling(req.sampling)
     try:
         params = sampling_from_pb(req.sampling, 1)
     except ValueError as exc:
@@ -65,6 +81,8 @@ def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
     _check_stop(req.stop)
     if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is at most {MAX_CACHE_SALT_CHARS} characters")
+    if not req.cache_salt.isprintable():  # tenant salts (gateway.auth) hold a NUL no client salt can
+        raise InvalidRequest("cache_salt must be printable characters (no control characters)")
     return ValidRequest(request_id, params, req.sampling.HasField("max_tokens"), list(req.stop), token_ids)
 
 
@@ -72,12 +90,12 @@ def check_length(valid: ValidRequest, prompt_len: int, limits: ModelLimits) -> N
     """Resolve an unset max_tokens to the rest of the model length; refuse prompts that cannot fit."""
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty after tokenization")
-    room = min(limits.max_model_len, limits.max_request_tokens) - prompt_len
-    if room < 1:
+    if prompt_len > limits.prompt_token_limit:
         raise InvalidRequest(
-            f"the prompt has {prompt_len} tokens; this model takes at most "
-            f"{min(limits.max_model_len, limits.max_request_tokens) - 1} prompt tokens"
+            f"the prompt has {prompt_len} tokens; this {'gateway' if limits.max_prompt_tokens > 0 else 'model'} "
+            f"takes at most {limits.prompt_token_limit} prompt tokens"
         )
+    room = min(limits.max_model_len, limits.max_request_tokens) - prompt_len
     if not valid.max_tokens_set:
         valid.params.max_tokens = room
     elif valid.params.max_tokens > room:
@@ -90,7 +108,7 @@ def check_length(valid: ValidRequest, prompt_len: int, limits: ModelLimits) -> N
 def _request_id(given: str) -> str:
     if not given:
         return uuid.uuid4().hex
-    if not REQUEST_ID.match(given):
+    if not REQUEST_ID.fullmatch(given):
         raise InvalidRequest("request_id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
     return given
 
@@ -111,6 +129,8 @@ def _input(req: gpb.GenerateRequest, limits: ModelLimits) -> list[int] | None:
     ids = list(req.token_ids.ids)
     if not ids:
         raise InvalidRequest("token_ids is empty")
+    if len(ids) > limits.prompt_token_limit:
+        raise InvalidRequest(f"token_ids has {len(ids)} ids; at most {limits.prompt_token_limit} prompt tokens")
     if max(ids) >= limits.vocab_size:
         raise InvalidRequest(f"token_ids must be < the vocabulary size {limits.vocab_size}, got {max(ids)}")
     return ids
@@ -124,9 +144,19 @@ def _check_chat(req: gpb.GenerateRequest) -> None:
         raise InvalidRequest(f"chat has more than {MAX_CHAT_MESSAGES} messages")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+            raise InvalidRequest(f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                 f"got {m.role!r:.40}")
     if sum(len(m.content) for m in messages) > MAX_PROMPT_CHARS:
         raise InvalidRequest(f"chat is longer than {MAX_PROMPT_CHARS} characters")
+
+
+def _check_sampling(p: cpb.SamplingParams) -> None:
+    """What the engine's own checks let through: NaN passes `x < 0`, and ids lists are unbounded."""
+    for name in FLOAT_PARAMS:
+        if p.HasField(name) and not math.isfinite(getattr(p, name)):
+            raise InvalidRequest(f"sampling: {name} must be a finite number, got {getattr(p, name)}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"sampling: at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
 
 
 def _check_stop(stop: list[str]) -> None:

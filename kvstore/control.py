@@ -4,6 +4,11 @@ Errors follow ARCHITECTURE.md: bad input is INVALID_ARGUMENT, a full store is
 RESOURCE_EXHAUSTED, an unknown lease or reservation is NOT_FOUND, an index that
 cannot be reached (Redis down) is UNAVAILABLE. Index calls may block on the
 network, so they run in a worker thread, never on the event loop.
+
+Reserve and a leased Lookup hand out the data plane's tokens (``kvstore.pool``): a
+lease, and so its token, covers this node's blocks only. A node advertises its
+gRPC address next to its UCX address in the index (``node_address``), so that a
+reader of blocks on another node can take that node's lease there.
 """
 
 from __future__ import annotations
@@ -75,6 +80,17 @@ def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
     return wrapper
 
 
+def node_address(data_address: str, control_address: str = "") -> str:
+    """What a node registers in the index: its UCX address, then its gRPC address if it has one."""
+    return f"{data_address} {control_address}" if control_address else data_address
+
+
+def split_node_address(address: str) -> tuple[str, str]:
+    """(UCX address, gRPC address or "") of what a node registered."""
+    data, _, control = address.partition(" ")
+    return data, control
+
+
 def _check_keys(keys: list[bytes]) -> list[bytes]:
     if len(keys) > MAX_KEYS:
         raise ValueError(f"at most {MAX_KEYS} keys per call, got {len(keys)}")
@@ -90,14 +106,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         data_address: str,
         lease_ttl_s: float = 30.0,
         reserve_ttl_s: float = 30.0,
+        control_address: str = "",
     ) -> None:
         self.pool = pool
         self.index = index
         self.node_id = node_id
         self.data_address = data_address
+        self.control_address = control_address  # this node's gRPC address, as other nodes' readers reach it
         self.lease_ttl_s = lease_ttl_s
         self.reserve_ttl_s = reserve_ttl_s
         self.counters = Counters()
+
+    @property
+    def node_address(self) -> str:
+        """What this node registers in the index (``register_node``)."""
+        return node_address(self.data_address, self.control_address)
 
     async def _index(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -113,12 +136,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.counters.lookups += 1
         self.counters.hit_blocks += len(blocks)
         self.counters.miss_blocks += len(keys) - len(blocks)
-        lease_id = 0
+        lease_id, token = 0, b""
         local = [b.slot for b in blocks + partials if b.node_id == self.node_id]
         if request.lease and local:
             lease_id = self.pool.lease(local, request.lease_ttl_s or self.lease_ttl_s)
+            token = self.pool.token_of(lease_id)
             self.pool.touch(local)
-        return pb.LookupResponse(blocks=blocks, partials=partials, lease_id=lease_id)
+        return pb.LookupResponse(blocks=blocks, partials=partials, lease_id=lease_id, lease_token=token,
+                                 node_id=self.node_id)
 
     def _still_here(self, entries: list[IndexEntry]) -> list[IndexEntry]:
         """Cut the prefix at a local block the pool no longer holds (evicted after the index answered)."""
@@ -129,15 +154,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return entries
 
     def _location(self, e: IndexEntry, address: str) -> pb.BlockLocation:
-        return pb.BlockLocation(
-            key=e.key, node_id=e.node_id, data_address=address, slot=e.slot, length=e.length, checksum=e.checksum
-        )
+        if e.node_id == self.node_id:
+            data, control = self.data_address, self.control_address
+        else:
+            data, control = split_node_address(address)
+        return pb.BlockLocation(key=e.key, node_id=e.node_id, data_address=data, control_address=control,
+                                slot=e.slot, length=e.length, checksum=e.checksum)
 
     def _partials(self, refs: Any) -> list[pb.BlockLocation]:
         found = self.pool.find([(r.request_id, r.index) for r in refs])
         return [
-            pb.BlockLocation(node_id=self.node_id, data_address=self.data_address, slot=slot, length=s.length,
-                             checksum=s.checksum)
+            pb.BlockLocation(node_id=self.node_id, data_address=self.data_address,
+                             control_address=self.control_address, slot=slot, length=s.length, checksum=s.checksum)
             for hit in found
             if hit is not None
             for slot, s in [hit]
@@ -154,6 +182,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             node_id=self.node_id,
             data_address=self.data_address,
             block_bytes=self.pool.block_bytes,
+            token=self.pool.token_of(rid),
         )
 
     @_rpc

@@ -1,14 +1,21 @@
 """The kvstore's UCX data plane: block bytes between a worker's buffers and the store's pool.
 
 One UCX endpoint per (worker, store node), opened once and reused. A transfer is
-a 16-byte header ``[op, n]`` and the ``n`` slot numbers, then ``n`` block messages
-posted all at once (UCX pipelines them). The store sends from and receives into
-its pool rows directly, so the store side copies nothing; the worker side sends
-from and receives into whatever contiguous arrays it passes (a staging buffer,
-or a view of its cache).
+a 32-byte header ``[op, n, token]`` (int64 op and count, then the 16-byte token)
+and the ``n`` slot numbers; the store answers ACCEPTED or REFUSED (one int64),
+then ``n`` block messages follow, posted all at once (UCX pipelines them). The
+store sends from and receives into its pool rows directly, so the store side
+copies nothing; the worker side sends from and receives into whatever contiguous
+arrays it passes (a staging buffer, or a view of its cache).
 
-Which slots a worker may write or read is decided on the control plane
-(Reserve / Lookup with a lease); the data plane only moves bytes.
+Which slots a worker may write or read is decided on the control plane, and the
+data plane enforces it: ``Reserve`` returns a token for writes into the reserved
+slots, a leased ``Lookup`` a token for reads of the leased blocks of that node
+(``kvstore.pool``: random 128-bit capabilities that die with their reservation or
+lease). The store checks the token against the slots before it touches the pool
+(a dict lookup and a set test); without a valid one it answers REFUSED, drops the
+connection and counts the transfer (``refused_transfers`` in Stats); the client
+raises ``TransferRefusedError`` (a PermissionError).
 
 All UCX work of a process runs on one event loop in its own thread: ucxx
 delivers completions as asyncio futures bound to a single loop (the
@@ -27,14 +34,25 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.pool import TOKEN_BYTES, BlockPool
+
 T = TypeVar("T")
 
 OP_WRITE = 1
 OP_READ = 2
+HEADER_WORDS = 2 + TOKEN_BYTES // 8  # op, n, token
+ACCEPTED = 1
+REFUSED = -1
 MAX_BLOCKS_PER_TRANSFER = 1 << 16
 # Requests in flight at once on one endpoint. ucxx keeps a pool of 50-100 ready-made Python futures
 # for completions; posting more at once empties it (a warning per request, futures made on the spot).
 WINDOW = 48
+
+
+
+class TransferRefusedError(PermissionError):
+    """The store refused a transfer: no valid token for those slots (or the reservation or lease ended)."""
+
 
 _shutdown_hook = False
 _loop: asyncio.AbstractEventLoop | None = None
@@ -88,11 +106,25 @@ async def _windowed(n: int, transfer: Callable[[int, int], Awaitable[None]]) -> 
         await transfer(start, min(n, start + WINDOW))
 
 
-class DataPlaneServer:
-    """Serves one pool over a UCX listener, in the service's event loop."""
+def _status(value: int) -> np.ndarray:
+    return np.full(1, value, dtype=np.int64)
 
-    def __init__(self, buffer: np.ndarray, on_bytes: Callable[[int, int], None] | None = None) -> None:
-        self.buffer = buffer  # [num_slots, block_bytes] uint8
+
+class DataPlaneServer:
+    """Serves one pool over a UCX listener, on the process's UCX loop; every transfer needs a token
+    of that pool (``BlockPool.begin_transfer``).
+
+    ``pool``: the BlockPool, or its ``buffer`` (the pool that owns it is found).
+    """
+
+    def __init__(self, pool: BlockPool | np.ndarray, on_bytes: Callable[[int, int], None] | None = None) -> None:
+        if not isinstance(pool, BlockPool):
+            owner = BlockPool.owning(pool)
+            if owner is None:
+                raise ValueError("the data plane serves a BlockPool (or its buffer): it checks the pool's tokens")
+            pool = owner
+        self.pool = pool
+        self.buffer = pool.buffer  # [num_slots, block_bytes] uint8
         self.on_bytes = on_bytes or (lambda received, sent: None)
         self._listener = None
 
@@ -110,19 +142,30 @@ class DataPlaneServer:
             self._listener = None
 
     async def _handle(self, ep) -> None:
-        header = np.empty(2, dtype=np.int64)
+        header = np.empty(HEADER_WORDS, dtype=np.int64)
         try:
             while True:
+                header.fill(0)  # a shorter message must not leave an earlier token behind
                 await ep.recv(header)
                 op, n = int(header[0]), int(header[1])
                 if op not in (OP_WRITE, OP_READ) or not 0 < n <= MAX_BLOCKS_PER_TRANSFER:
+                    self.pool.refuse_transfer()
                     return  # a peer that does not speak the protocol: drop the connection
                 slots = np.empty(n, dtype=np.int64)
                 await ep.recv(slots)
-                if (slots < 0).any() or (slots >= self.buffer.shape[0]).any():
+                wanted = slots.tolist()
+                grant = self.pool.begin_transfer(header[2:].tobytes(), wanted, write=op == OP_WRITE)
+                if grant is None:  # no valid token for these slots: the pool is not touched
+                    await ep.send(_status(REFUSED))
                     return
-                rows = [self.buffer[int(s)] for s in slots]
-                await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
+                rows = [self.buffer[s] for s in wanted]
+                try:
+                    await ep.send(_status(ACCEPTED))
+                    await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
+                finally:
+                    self.pool.end_transfer(grant)
+                if op == OP_WRITE:  # after end_transfer: the writer commits as soon as it has this
+                    await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
         except Exception:  # the peer closed or died mid-transfer: its reservation or lease expires
             return
         finally:
@@ -137,12 +180,35 @@ class DataPlaneServer:
             await asyncio.gather(*receives)
 
         await _windowed(len(rows), window)
-        await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
         self.on_bytes(len(rows) * self.buffer.shape[1], 0)
 
     async def _serve_read(self, ep, rows: list[np.ndarray]) -> None:
         await _windowed(len(rows), lambda a, b: asyncio.gather(*(ep.send(row) for row in rows[a:b])))
         self.on_bytes(0, len(rows) * self.buffer.shape[1])
+
+
+def _header(op: int, token: bytes, n: int) -> np.ndarray:
+    if len(token) not in (0, TOKEN_BYTES):
+        raise ValueError(f"a data-plane token is {TOKEN_BYTES} bytes, got {len(token)}")
+    header = np.zeros(HEADER_WORDS, dtype=np.int64)
+    header[0], header[1] = op, n
+    header[2:] = np.frombuffer(bytes(token).ljust(TOKEN_BYTES, b"\0"), dtype=np.int64)
+    return header
+
+
+async def _refused(answer: asyncio.Future, status: np.ndarray) -> bool:
+    """Whether the store said REFUSED before the connection went (waiting briefly for its answer)."""
+    if not answer.done():
+        await asyncio.wait([answer], timeout=1.0)
+    if not answer.done():
+        answer.cancel()
+        return False
+    return not answer.cancelled() and answer.exception() is None and status[0] == REFUSED
+
+
+def _refusal(address: str, status: np.ndarray) -> str:
+    return (f"the store at {address} refused the transfer (answer {int(status[0])}): no valid token for "
+            "these slots, or the reservation or lease behind it ended")
 
 
 async def _close(ep) -> None:
@@ -175,27 +241,44 @@ class DataPlaneClient:
             await self._endpoint(address)
 
     @contextlib.asynccontextmanager
-    async def _transfer(self, address: str, op: int, slots: list[int]) -> AsyncIterator[object]:
+    async def _transfer(self, address: str, op: int, token: bytes, slots: list[int]) -> AsyncIterator[object]:
         """One transfer on the node's endpoint: the header sent, the endpoint yielded for the body.
 
-        A failure drops the endpoint (the next transfer reconnects) and reads as ConnectionError.
+        A write starts once the store accepted it; a read posts its receives at once (the store's
+        answer is matched first, the blocks follow it). A refusal raises TransferRefusedError, any
+        other failure ConnectionError; both drop the endpoint (the next transfer reconnects).
         """
+        header = _header(op, token, len(slots))
         async with self._locks.setdefault(address, asyncio.Lock()):
             ep = await self._endpoint(address)
+            status = np.zeros(1, dtype=np.int64)
+            answer = None
             try:
-                await ep.send(np.array([op, len(slots)], dtype=np.int64))
+                await ep.send(header)
                 await ep.send(np.asarray(slots, dtype=np.int64))
+                answer = asyncio.ensure_future(ep.recv(status))
+                if op == OP_WRITE:
+                    await answer
+                    if status[0] != ACCEPTED:
+                        raise TransferRefusedError(_refusal(address, status))
                 yield ep
+                await answer
+            except TransferRefusedError:
+                self._eps.pop(address, None)
+                raise
             except Exception as exc:
                 self._eps.pop(address, None)
+                if answer is not None and await _refused(answer, status):  # the store dropped a refused read
+                    raise TransferRefusedError(_refusal(address, status)) from exc
                 raise ConnectionError(f"UCX transfer with {address} failed: {exc}") from exc
 
-    async def write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
-        """Send ``blocks`` into ``slots`` of the node at ``address``; returns once they are in its pool."""
-        await _on_ucx_loop(self._write(address, slots, blocks))
+    async def write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
+        """Send ``blocks`` into ``slots`` of the node at ``address`` under ``token`` (its Reserve's);
+        returns once they are in its pool."""
+        await _on_ucx_loop(self._write(address, token, slots, blocks))
 
-    async def _write(self, address: str, slots: list[int], blocks: list[np.ndarray]) -> None:
-        async with self._transfer(address, OP_WRITE, slots) as ep:
+    async def _write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
+        async with self._transfer(address, OP_WRITE, token, slots) as ep:
             ack = np.zeros(1, dtype=np.int64)
 
             async def window(a: int, b: int) -> None:
@@ -205,12 +288,13 @@ class DataPlaneClient:
             await _windowed(len(blocks), window)
             await ep.recv(ack)
 
-    async def read(self, address: str, slots: list[int], out: list[np.ndarray]) -> None:
-        """Fill ``out`` (contiguous uint8 arrays of one block each) from ``slots`` of the node."""
-        await _on_ucx_loop(self._read(address, slots, out))
+    async def read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
+        """Fill ``out`` (contiguous uint8 arrays of one block each) from ``slots`` of the node, under
+        ``token`` (the lease token of that node's Lookup)."""
+        await _on_ucx_loop(self._read(address, token, slots, out))
 
-    async def _read(self, address: str, slots: list[int], out: list[np.ndarray]) -> None:
-        async with self._transfer(address, OP_READ, slots) as ep:
+    async def _read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
+        async with self._transfer(address, OP_READ, token, slots) as ep:
             await _windowed(len(out), lambda a, b: asyncio.gather(*(ep.recv(x) for x in out[a:b])))
 
     async def close(self) -> None:

@@ -7,21 +7,33 @@ under its key; served), or committed and leased (served, never evicted).
 
 Eviction is LRU over committed slots that no lease holds; capacity is a hard limit:
 a reservation that cannot be met even after evicting everything evictable fails.
+
+Every reservation and lease carries a data-plane capability: a random 128-bit token
+(``token_of``) that the control plane hands to its holder. The UCX data plane asks
+``begin_transfer`` before it moves a byte: a write needs the token of an open, unexpired
+reservation holding every slot written, a read the token of a held, unexpired lease
+covering every slot read. A token dies with its reservation (commit, cancel, expiry) or
+lease (release, expiry). A transfer in flight pins what it was granted until
+``end_transfer``: a lease released meanwhile keeps its blocks, a reservation cancelled or
+expired meanwhile keeps its slots, so no slot changes hands under a transfer.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PartialKey = tuple[str, int]  # (request id, block index): request-scoped trailing blocks
 BlockKey = bytes | PartialKey
+TOKEN_BYTES = 16  # a data-plane capability: 128 random bits
 
 
 class CapacityError(Exception):
@@ -42,15 +54,26 @@ class Stored:
 
 
 @dataclass(slots=True)
-class Reservation:
+class Grant:
+    """A reservation (writes into its slots) or a lease (reads of its slots), and its token."""
+
     slots: list[int]
     expires: float
+    token: bytes = b""
+    allowed: frozenset[int] = frozenset()  # ``slots`` as a set: the data plane's check
+    in_flight: int = 0  # data-plane transfers running under this grant now
+    ended: bool = False  # committed, cancelled, released or expired: no new transfer
+
+    def __post_init__(self) -> None:
+        self.allowed = frozenset(self.slots)
 
 
-@dataclass(slots=True)
-class Lease:
-    slots: list[int]
-    expires: float
+class Reservation(Grant):
+    __slots__ = ()
+
+
+class Lease(Grant):
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -60,6 +83,7 @@ class PoolStats:
     expired_reservations: int = 0
     expired_leases: int = 0
     commits: int = 0
+    refused_transfers: int = 0  # data-plane transfers without a valid token for their slots
 
 
 @dataclass(slots=True)
@@ -75,6 +99,9 @@ class Evicted:
     """Keys that left the pool: the service removes them from the index."""
 
     keys: list[bytes] = field(default_factory=list)
+
+
+_pools: weakref.WeakValueDictionary[int, BlockPool] = weakref.WeakValueDictionary()
 
 
 class BlockPool:
@@ -103,7 +130,15 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # committed, unleased, oldest use first
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
+        self._grants: dict[bytes, Grant] = {}  # token -> open reservation or held lease
         self._ids = itertools.count(1)
+        _pools[id(self.buffer)] = self
+
+    @staticmethod
+    def owning(buffer: object) -> BlockPool | None:
+        """The pool whose ``buffer`` this is (the pool keeps it alive, so its id is not reused)."""
+        pool = _pools.get(id(buffer))
+        return pool if pool is not None and pool.buffer is buffer else None
 
     # -- writers -------------------------------------------------------------------------------
 
@@ -123,7 +158,7 @@ class BlockPool:
                 evicted.keys += self._evict_one()
             slots = [self._free.pop() for _ in range(n)]
             rid = next(self._ids)
-            self._reservations[rid] = Reservation(slots, self.clock() + ttl_s)
+            self._reservations[rid] = self._granted(Reservation(slots, self.clock() + ttl_s))
             return rid, slots, evicted
 
     def reserved_slots(self, reservation_id: int) -> list[int]:
@@ -140,10 +175,13 @@ class BlockPool:
             res = self._reservations.pop(reservation_id, None)
             if res is None:
                 raise UnknownHandleError(f"reservation {reservation_id} does not exist or expired")
-            mine = set(res.slots)
-            if any(c.slot not in mine for c in commits):
+            if any(c.slot not in res.allowed for c in commits):
                 self._reservations[reservation_id] = res
                 raise ValueError("a commit names a slot outside its reservation")
+            if res.in_flight:
+                self._reservations[reservation_id] = res
+                raise ValueError(f"a data-plane write into reservation {reservation_id} is still running")
+            self._end(res)
             stored, used = [], set()
             for c in commits:
                 if c.key in self._by_key or c.slot in used:
@@ -170,7 +208,7 @@ class BlockPool:
         with self._lock:
             res = self._reservations.pop(reservation_id, None)
             if res is not None:
-                self._free += res.slots
+                self._close(res)
 
     # -- readers -------------------------------------------------------------------------------
 
@@ -193,7 +231,7 @@ class BlockPool:
                 entry.leases += 1
                 self._lru.pop(slot, None)
             lid = next(self._ids)
-            self._leases[lid] = Lease(list(slots), self.clock() + ttl_s)
+            self._leases[lid] = self._granted(Lease(list(slots), self.clock() + ttl_s))
             return lid
 
     def release(self, lease_id: int) -> None:
@@ -201,7 +239,15 @@ class BlockPool:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 raise UnknownHandleError(f"lease {lease_id} does not exist or expired")
-            self._unlease(lease)
+            self._close(lease)
+
+    def token_of(self, handle: int) -> bytes:
+        """The data-plane token of a reservation or lease id."""
+        with self._lock:
+            grant = self._reservations.get(handle) or self._leases.get(handle)
+            if grant is None:
+                raise UnknownHandleError(f"reservation or lease {handle} does not exist or expired")
+            return grant.token
 
     def touch(self, slots: list[int]) -> None:
         """A read: move the blocks to the most recently used end."""
@@ -211,12 +257,48 @@ class BlockPool:
                     self._lru.move_to_end(slot)
 
     def drop_partials(self, request_id: str) -> int:
-        """The decode worker pulled a request's partial blocks: they are never shared, free them."""
+        """The decode worker pulled a request's partial blocks: they are never shared, free them
+        (a leased one when its leases end: it expires at the next ``expire``)."""
         with self._lock:
             keys = [k for k in self._by_key if isinstance(k, tuple) and k[0] == request_id]
+            now = self.clock()
             for key in keys:
-                self._drop(self._by_key[key])
+                slot = self._by_key[key]
+                if self._stored[slot].leases:
+                    self._stored[slot].expires = now
+                else:
+                    self._drop(slot)
             return len(keys)
+
+    # -- the data plane's capability check ----------------------------------------------------
+
+    def begin_transfer(self, token: bytes, slots: Iterable[int], write: bool) -> Grant | None:
+        """The grant a data-plane transfer runs under, or None (refused, and counted).
+
+        A write needs the token of an open, unexpired reservation holding every slot in
+        ``slots``; a read, the token of a held, unexpired lease covering every one. One dict
+        lookup and one set test. The grant stays pinned until ``end_transfer``.
+        """
+        with self._lock:
+            grant = self._grants.get(token)
+            if (grant is None or isinstance(grant, Reservation) is not write or grant.expires <= self.clock()
+                    or not grant.allowed.issuperset(slots)):
+                self.stats.refused_transfers += 1
+                return None
+            grant.in_flight += 1
+            return grant
+
+    def end_transfer(self, grant: Grant) -> None:
+        """The transfer is over; what ended under it (released, cancelled, expired) is let go now."""
+        with self._lock:
+            grant.in_flight -= 1
+            if grant.in_flight == 0 and grant.ended:
+                self._let_go(grant)
+
+    def refuse_transfer(self) -> None:
+        """Count a transfer the data plane refused before asking (a malformed header)."""
+        with self._lock:
+            self.stats.refused_transfers += 1
 
     # -- upkeep --------------------------------------------------------------------------------
 
@@ -228,15 +310,41 @@ class BlockPool:
         """Reservations, leases and partial blocks past their time (partials are not in the index)."""
         now = self.clock()
         for rid in [r for r, res in self._reservations.items() if res.expires <= now]:
-            self._free += self._reservations.pop(rid).slots
+            self._close(self._reservations.pop(rid))
             self.stats.expired_reservations += 1
         for lid in [i for i, lease in self._leases.items() if lease.expires <= now]:
-            self._unlease(self._leases.pop(lid))
+            self._close(self._leases.pop(lid))
             self.stats.expired_leases += 1
         for slot in [s for s, e in self._stored.items() if e.expires is not None and e.expires <= now]:
             if self._stored[slot].leases == 0:
                 self._drop(slot)
                 self.stats.expired_partials += 1
+
+    def _granted(self, grant: Grant) -> Grant:
+        token = secrets.token_bytes(TOKEN_BYTES)
+        while token in self._grants or not any(token):  # all zeros is what a peer without a token sends
+            token = secrets.token_bytes(TOKEN_BYTES)
+        grant.token = token
+        self._grants[token] = grant
+        return grant
+
+    def _end(self, grant: Grant) -> None:
+        """No transfer may start under ``grant`` any more: its token dies."""
+        grant.ended = True
+        self._grants.pop(grant.token, None)
+
+    def _close(self, grant: Grant) -> None:
+        """A reservation cancelled or expired, a lease released or expired."""
+        self._end(grant)
+        if not grant.in_flight:
+            self._let_go(grant)
+
+    def _let_go(self, grant: Grant) -> None:
+        """Free a cancelled or expired reservation's slots, or end a lease's hold on its blocks."""
+        if isinstance(grant, Lease):
+            self._unlease(grant)
+        else:
+            self._free += grant.slots
 
     def _unlease(self, lease: Lease) -> None:
         for slot in lease.slots:
@@ -271,4 +379,5 @@ class BlockPool:
                 "active_leases": len(self._leases),
                 "active_reservations": len(self._reservations),
                 "evictions": self.stats.evictions,
+                "refused_transfers": self.stats.refused_transfers,
             }

@@ -24,8 +24,17 @@ from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
 from kvstore.pool import BlockPool
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from tandem.metrics import add_metrics_args, counter, gauge, register_state
-from tandem.service import SERVER_OPTIONS, announce, start_observability, stop_observability, stop_signal
+from tandem.service import (
+    SERVER_OPTIONS,
+    announce,
+    bind,
+    start_health_server,
+    start_observability,
+    stop_observability,
+    stop_signal,
+)
 from tandem.settings import env_default
+from tandem.tls import ServiceTLS, add_tls_args, setup
 
 log = logging.getLogger("tandem.kvstore")
 
@@ -46,6 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=env_default("--heartbeat-s", 2.0))
     p.add_argument("--partial-ttl-s", type=float, default=env_default("--partial-ttl-s", 60.0))
     add_metrics_args(p)
+    add_tls_args(p)  # the gRPC control plane; the UCX data plane is not encrypted (README, Security)
 
 
 def make_index(redis_url: str | None) -> BlockIndex:
@@ -60,7 +70,7 @@ async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: st
     ttl = 3 * args.heartbeat_s
     while True:
         try:
-            await asyncio.to_thread(service.index.register_node, node_id, service.data_address, ttl)
+            await asyncio.to_thread(service.index.register_node, node_id, service.node_address, ttl)
             dead = await asyncio.to_thread(service.index.purge_dead)
             if dead:
                 log.warning("purged dead store nodes %s", dead)
@@ -70,14 +80,16 @@ async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: st
         await asyncio.sleep(args.heartbeat_s)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
+    tls = tls or setup(args, "kvstore")
     pool = BlockPool(int(args.capacity_gb * 2**30), args.block_bytes, args.partial_ttl_s)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = bind(server, args.host, args.port, tls.server)
     node_id = args.node_id or f"{socket.gethostname()}:{port}"
-    data = DataPlaneServer(pool.buffer)
+    data = DataPlaneServer(pool)
     data_port = data.start(args.data_port)
-    service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}")
+    service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}",
+                             control_address=f"{args.host}:{port}")  # other nodes' readers lease here
     with contextlib.suppress(IndexUnavailableError):  # a restarted node's old entries name an empty pool
         await asyncio.to_thread(service.index.purge_node, node_id)
     data.on_bytes = lambda received, sent: setattr(service.counters, "bytes_out", service.counters.bytes_out + sent)
@@ -88,6 +100,9 @@ async def serve(args: argparse.Namespace) -> None:
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     await server.start()
+    health_server = health_port = None
+    if tls.health_port is not None:
+        health_server, health_port = await start_health_server(health_servicer, args.host, tls.health_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
     upkeep = asyncio.create_task(_upkeep(service, args, node_id))
@@ -96,12 +111,14 @@ async def serve(args: argparse.Namespace) -> None:
     extra = start_observability("kvstore", args.host, port, args.metrics_port)
     # The launcher and tests read this line to find the ports.
     announce("kvstore", grpc=f"{args.host}:{port}", data=f"{args.host}:{data_port}", node=node_id,
-             slots=pool.num_slots, **extra)
+             slots=pool.num_slots, **({"health": f"{args.host}:{health_port}"} if health_server else {}), **extra)
     await stop.wait()
     upkeep.cancel()
     with contextlib.suppress(IndexUnavailableError):
         await asyncio.to_thread(service.index.purge_node, node_id)  # a clean stop leaves nothing behind
     await server.stop(grace=1)
+    if health_server is not None:
+        await health_server.stop(0)
     data.close()
     stop_observability()
 
@@ -117,6 +134,8 @@ def store_state(service: KVStoreService) -> list:
         gauge("tandem_kvstore_capacity_blocks", "Slots in the preallocated pool", snap["capacity_blocks"]),
         gauge("tandem_kvstore_active_leases", "Readers' leases held now", snap["active_leases"]),
         counter("tandem_kvstore_evictions", "Blocks evicted (LRU over unleased blocks)", snap["evictions"]),
+        counter("tandem_kvstore_refused_transfers", "Data-plane transfers refused: no valid token for their slots",
+                snap["refused_transfers"]),
         counter("tandem_kvstore_lookups", "Lookup calls", c.lookups),
         counter("tandem_kvstore_lookup_hit_blocks", "Blocks found by lookups", c.hit_blocks),
         counter("tandem_kvstore_lookup_miss_blocks", "Blocks asked for and not found", c.miss_blocks),
@@ -127,7 +146,8 @@ def store_state(service: KVStoreService) -> list:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    tls = setup(args, "kvstore")
+    asyncio.run(serve(args, tls))
     return 0
 
 

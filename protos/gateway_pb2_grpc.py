@@ -57,7 +57,9 @@ class GatewayServicer:
     def Generate(self, request, context):
         """Stream one completion: a message per step with the text delta and its token ids; the
         last message carries the finish reason, usage and timings. Errors: INVALID_ARGUMENT (bad
-        parameters, prompt too long, unknown model), RESOURCE_EXHAUSTED (queues full: refused
+        parameters, prompt too long, unknown model, a malformed message), UNAUTHENTICATED (the
+        gateway has API keys and the call carries no valid `authorization: Bearer <key>`),
+        RESOURCE_EXHAUSTED (queues full, or the API key's rate or concurrent-stream limit: refused
         before any token), UNAVAILABLE (no worker, or the decode worker died mid-stream),
         DEADLINE_EXCEEDED, CANCELLED.
         """

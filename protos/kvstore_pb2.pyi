@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockLocation(_message.Message):
-    __slots__ = ("key", "node_id", "data_address", "slot", "length", "checksum")
+    __slots__ = ("key", "node_id", "data_address", "slot", "length", "checksum", "control_address")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     node_id: str
     data_address: str
     slot: int
     length: int
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    control_address: str
+    def __init__(self, key: _Optional[bytes] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., control_address: _Optional[str] = ...) -> None: ...
 
 class PartialRef(_message.Message):
     __slots__ = ("request_id", "index")
@@ -43,14 +45,18 @@ class LookupRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., partials: _Optional[_Iterable[_Union[PartialRef, _Mapping]]] = ..., lease: _Optional[bool] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("blocks", "partials", "lease_id")
+    __slots__ = ("blocks", "partials", "lease_id", "lease_token", "node_id")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     partials: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     lease_id: int
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., partials: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    lease_token: bytes
+    node_id: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., partials: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("num_blocks", "ttl_s")
@@ -61,18 +67,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "slots", "node_id", "data_address", "block_bytes")
+    __slots__ = ("reservation_id", "slots", "node_id", "data_address", "block_bytes", "token")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     slots: _containers.RepeatedScalarFieldContainer[int]
     node_id: str
     data_address: str
     block_bytes: int
-    def __init__(self, reservation_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    token: bytes
+    def __init__(self, reservation_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., block_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class CommitBlock(_message.Message):
     __slots__ = ("slot", "key", "partial", "length", "checksum")
@@ -123,7 +131,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "block_bytes", "capacity_blocks", "stored_blocks", "free_blocks", "reserved_blocks", "leased_blocks", "active_leases", "active_reservations", "evictions", "lookups", "hit_blocks", "miss_blocks", "bytes_in", "bytes_out", "partial_blocks")
+    __slots__ = ("node_id", "block_bytes", "capacity_blocks", "stored_blocks", "free_blocks", "reserved_blocks", "leased_blocks", "active_leases", "active_reservations", "evictions", "lookups", "hit_blocks", "miss_blocks", "bytes_in", "bytes_out", "partial_blocks", "refused_transfers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +148,7 @@ class StatsResponse(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     block_bytes: int
     capacity_blocks: int
@@ -156,4 +165,5 @@ class StatsResponse(_message.Message):
     bytes_in: int
     bytes_out: int
     partial_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., partial_blocks: _Optional[int] = ...) -> None: ...
+    refused_transfers: int
+    def __init__(self, node_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., evictions: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., refused_transfers: _Optional[int] = ...) -> None: ...

@@ -66,14 +66,16 @@ class KVStoreServicer:
 
     def Lookup(self, request, context):
         """Longest stored prefix of `keys` (block hashes, 32 bytes each) and where each
-        block lives; with `lease`, the blocks stay pinned until Release or lease_ttl_s.
+        block lives; with `lease`, this node's blocks stay pinned until Release or
+        lease_ttl_s, and `lease_token` lets the caller read them over UCX. Blocks on
+        other nodes need those nodes' leases: a leased Lookup at their control_address.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Slots a writer fills over UCX, then commits; invisible until Commit.
+        """Slots a writer fills over UCX (with `token`), then commits; invisible until Commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -73,6 +73,33 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--timeout", type=float, default=300.0, help="the call's deadline in seconds")
+    g.add_argument("--api-key", default=env_default("--api-key", None, str),
+                   help="API key for a gateway that asks for one, sent as `authorization: Bearer` (env TANDEM_API_KEY)")
+
+
+def add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    """How ``tandem generate`` reaches a gateway that serves TLS."""
+    g = p.add_argument_group("TLS to the gateway")
+    g.add_argument("--tls", action="store_true", default=env_default("--tls", False, bool),
+                   help="connect with TLS (implied by --tls-ca; without it the system's trusted roots verify the "
+                        "gateway)")
+    g.add_argument("--tls-ca", default=env_default("--tls-ca", None, str), metavar="PEM",
+                   help="the CA that signed the gateway's certificate (`tandem up --tls` prints it)")
+    g.add_argument("--tls-cert", default=env_default("--tls-cert", None, str), metavar="PEM",
+                   help="a client certificate, for a gateway that requires one (--tls-client-ca)")
+    g.add_argument("--tls-key", default=env_default("--tls-key", None, str), metavar="PEM",
+                   help="its private key")
+    g.add_argument("--tls-server-name", default=env_default("--tls-server-name", None, str), metavar="NAME",
+                   help="the name to verify in the gateway's certificate instead of the address's host")
+
+
+def client_tls(args: argparse.Namespace):
+    """The ``tandem.tls.ClientTLS`` the flags of ``add_client_tls_args`` ask for; None: plaintext."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    from tandem.tls import ClientTLS
+
+    return ClientTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
 def engine_config(args: argparse.Namespace):
@@ -121,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gateway", default=env_default("--gateway", DEFAULT_GATEWAY),
                      help=f"the gateway's address (default {DEFAULT_GATEWAY}; env TANDEM_GATEWAY)")
     add_request_args(gen)
+    add_client_tls_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -141,6 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
         svc = serve_sub.add_parser(name, help=help_text)
         importlib.import_module(module).add_args(svc)
         svc.set_defaults(func=_cmd_serve, module=module)
+
+    keys = sub.add_parser("keys", help="API keys of a gateway (--api-keys-file)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add_key = keys_sub.add_parser("add", help="make a new API key: prints it once, writes only its hash to the file")
+    add_key.add_argument("name", help="the key's name, shown in logs, traces and metrics (A-Z a-z 0-9 . _ -)")
+    add_key.add_argument("--api-keys-file", default=env_default("--api-keys-file", None, str),
+                         help="the keys file to add the entry to, created if missing (env TANDEM_API_KEYS_FILE)")
+    add_key.add_argument("--requests-per-minute", type=float, default=None, help="rate limit (default: none)")
+    add_key.add_argument("--max-concurrent-streams", type=int, default=None, help="streams open at once")
+    salt = add_key.add_mutually_exclusive_group()
+    salt.add_argument("--cache-salt", default=None, help="the tenant's prefix-cache namespace (default: the name); "
+                      "keys with the same one share cached blocks")
+    salt.add_argument("--share-cache", action="store_true", help="no namespace of its own: share cached blocks "
+                      "with every other such key (clients' cache_salt still applies)")
+    add_key.set_defaults(func=_cmd_keys_add)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -215,6 +258,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     for kind in ("kvstore", "tokenizer", "prefill", "decode", "gateway"):
         p.add_argument(f"--{kind}-args", default="", metavar="FLAGS",
                        help=f"extra flags for the {kind} service(s), one shell-quoted string")
+    p.add_argument("--tls", action="store_true", default=False,
+                   help="TLS on the gateway and mutual TLS between the services, with a throwaway CA and "
+                        "certificates generated into the log folder (clients: `tandem generate --tls-ca <ca.pem>`)")
     p.add_argument("--generate", metavar="PROMPT", default=None,
                    help="stream one answer through the gateway, then stop everything (exit: the client's code)")
     add_request_args(p)
@@ -228,12 +274,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return _generate_remote(args, args.gateway)
 
 
-def _generate_remote(args: argparse.Namespace, address: str) -> int:
+def _generate_remote(args: argparse.Namespace, address: str, tls=None) -> int:
     from tandem.client import build_request, generate_to_terminal
 
+    if tls is None and hasattr(args, "tls_ca"):
+        tls = client_tls(args)
     request = build_request(args.prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-    return generate_to_terminal(address, request, args.timeout)
+    return generate_to_terminal(address, request, args.timeout, tls=tls, api_key=args.api_key)
 
 
 def _cluster_config(args: argparse.Namespace):
@@ -248,7 +296,7 @@ def _cluster_config(args: argparse.Namespace):
                          host=args.host, gateway_port=port, engine_args=engine_flags(args),
                          kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis_url,
                          extra_args={k: v for k, v in extra.items() if v}, log_dir=args.log_dir,
-                         startup_timeout=args.startup_timeout)
+                         startup_timeout=args.startup_timeout, tls=args.tls)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -271,10 +319,32 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(format_table(cluster), file=out)
         print(f"ready in {time.perf_counter() - start:.1f} s; gateway at {cluster.gateway.address}", file=out,
               flush=True)
+        if cluster.ca_path is not None:
+            print(f"TLS: services use mutual TLS, the gateway TLS; its CA is {cluster.ca_path}\n"
+                  f'  tandem generate --gateway {cluster.gateway.address} --tls-ca {cluster.ca_path} "..."', file=out,
+                  flush=True)
         if args.generate is None:
             return serve_until_signal(cluster, sys.stderr)
         args.prompt = args.generate
-        return _generate_remote(args, cluster.gateway.address)
+        return _generate_remote(args, cluster.gateway.address, cluster.client_tls())
+
+
+def _cmd_keys_add(args: argparse.Namespace) -> int:
+    from gateway.auth import KeysFileError, add_key
+
+    if not args.api_keys_file:
+        print("tandem keys add: give --api-keys-file (or TANDEM_API_KEYS_FILE)", file=sys.stderr)
+        return 2
+    try:
+        key = add_key(args.api_keys_file, args.name, args.requests_per_minute, args.max_concurrent_streams,
+                      args.cache_salt, args.share_cache)
+    except KeysFileError as exc:
+        print(f"tandem keys add: {exc}", file=sys.stderr)
+        return 1
+    print(f"added {args.name!r} to {args.api_keys_file}; the key, shown this once (only its hash is stored):",
+          file=sys.stderr)
+    print(key)
+    return 0
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import grpc
 
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 from tandem.service import channel
+from tandem.tls import ClientTLS
 
 FINISH_PREFIX = "FINISH_REASON_"
 
@@ -56,6 +57,7 @@ async def stream_generate(
     *,
     timeout: float | None = None,
     metadata: Sequence[tuple[str, str]] | None = None,
+    tls: ClientTLS | None = None,
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """Yield the gateway's responses to ``request`` as they arrive.
 
@@ -63,9 +65,10 @@ async def stream_generate(
     reuses across calls (benchmarks). ``timeout`` is the call's deadline in seconds. Leaving
     the loop early, or cancelling the task, cancels the RPC, which frees the request's blocks
     along the whole chain; wrap in ``contextlib.aclosing`` to make that happen at once on ``break``.
+    ``tls``: how to reach a gateway that serves TLS (for an address; a channel brings its own).
     Errors are raised as ``grpc.aio.AioRpcError``.
     """
-    owned = channel(target) if isinstance(target, str) else None
+    owned = channel(target, tls) if isinstance(target, str) else None
     call = gateway_pb2_grpc.GatewayStub(owned or target).Generate(request, timeout=timeout, metadata=metadata)
     try:
         async for response in call:
@@ -84,6 +87,11 @@ class StreamStats:
     first: float | None = None
     end: float | None = None
     tokens: int = 0
+
+
+def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    """The metadata that carries an API key to a gateway that asks for one (``--api-keys-file``)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
 
 
 def finish_name(reason: int) -> str:
@@ -120,13 +128,15 @@ def format_summary(last: gateway_pb2.GenerateResponse | None, stats: StreamStats
 
 
 async def print_stream(
-    address: str, request: gateway_pb2.GenerateRequest, timeout: float, out: TextIO, err: TextIO
+    address: str, request: gateway_pb2.GenerateRequest, timeout: float, out: TextIO, err: TextIO,
+    tls: ClientTLS | None = None, api_key: str | None = None,
 ) -> int:
     """Stream the answer's text to ``out`` and the summary to ``err``; the exit code (1 on an RPC error)."""
     stats = StreamStats(start=time.perf_counter())
     last = None
     try:
-        async for response in stream_generate(address, request, timeout=timeout):
+        async for response in stream_generate(address, request, timeout=timeout, tls=tls,
+                                              metadata=auth_metadata(api_key)):
             stats.first = stats.first or time.perf_counter()
             stats.tokens += len(response.token_ids)
             out.write(response.text)
@@ -135,7 +145,7 @@ async def print_stream(
     except grpc.aio.AioRpcError as exc:
         if stats.first:
             out.write("\n")
-        print(f"tandem generate: {exc.code().name}: {exc.details()}{_hint(exc, address)}", file=err)
+        print(f"tandem generate: {exc.code().name}: {exc.details()}{_hint(exc, address, tls)}", file=err)
         return 1
     stats.end = time.perf_counter()
     out.write("\n")
@@ -144,10 +154,16 @@ async def print_stream(
     return 0
 
 
-def _hint(exc: grpc.aio.AioRpcError, address: str) -> str:
+def _hint(exc: grpc.aio.AioRpcError, address: str, tls: ClientTLS | None = None) -> str:
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return " (give the gateway's API key with --api-key or TANDEM_API_KEY)"
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
-    return f" (is a gateway running at {address}? start one with `tandem up`, or use --local)"
+    if tls is None:
+        return (f" (is a gateway running at {address}? start one with `tandem up`, or use --local; "
+                "if it serves TLS, give --tls-ca)")
+    return (f" (is a gateway running at {address}, serving TLS with a certificate that --tls-ca signed and that "
+            "names that host (else --tls-server-name)? start one with `tandem up --tls`)")
 
 
 def generate_to_terminal(
@@ -156,11 +172,13 @@ def generate_to_terminal(
     timeout: float = 300.0,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    tls: ClientTLS | None = None,
+    api_key: str | None = None,
 ) -> int:
     """``tandem generate`` without --local; Ctrl-C cancels the call (exit code 130)."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
-        return asyncio.run(print_stream(address, request, timeout, out, err))
+        return asyncio.run(print_stream(address, request, timeout, out, err, tls, api_key))
     except KeyboardInterrupt:
         print("\ntandem generate: cancelled", file=err)
         return 130

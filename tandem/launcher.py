@@ -32,10 +32,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from tandem.dev_certs import CertFiles, DevCA
+    from tandem.tls import ClientTLS
 
 MODES = ("disaggregated", "aggregated")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,7 +50,10 @@ READY_RE = re.compile(r"^([A-Z][A-Z0-9_]*) READY((?: +[A-Za-z0-9_]+=\S*)*) *$")
 LAUNCHER_OWNED_ENV = (
     "TANDEM_HOST", "TANDEM_PORT", "TANDEM_DATA_PORT", "TANDEM_NODE_ID", "TANDEM_KVSTORE", "TANDEM_TOKENIZER",
     "TANDEM_MODE", "TANDEM_DECODE_WORKERS", "TANDEM_PREFILL_WORKERS", "TANDEM_REDIS_URL", "TANDEM_GATEWAY",
-    "TANDEM_METRICS_PORT",
+    "TANDEM_METRICS_PORT", "TANDEM_HEALTH_PORT",
+    # TLS is the launcher's too: `tandem up --tls` gives every service its certificate, or none has one.
+    "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", "TANDEM_TLS_CLIENT_CA", "TANDEM_TLS_INTERNAL_CERT",
+    "TANDEM_TLS_INTERNAL_KEY", "TANDEM_TLS_SERVER_NAME",
 )
 TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
 LOG_TAIL_LINES = 20
@@ -219,6 +226,9 @@ class ClusterConfig:
     # Cores per service kind ("prefill": [0], "decode": [1]); a pinned worker's --num-threads
     # defaults to its number of cores. Unnamed kinds run wherever the kernel puts them.
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
+    # Mutual TLS between the services and TLS on the gateway, with a throwaway CA and a certificate per
+    # service generated into <log dir>/tls (tandem.dev_certs); health checks go to each plaintext health port.
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -275,6 +285,12 @@ class Cluster:
         self._tiers: list[list[ServiceProcess]] = []  # in start order; stopped in reverse
         self._engine = parse_engine_args(config.engine_args)
         self._atexit = False
+        self.ca: DevCA | None = None  # the throwaway CA, with config.tls
+        self._certs: dict[str, CertFiles] = {}  # by service name
+        if config.tls:
+            from tandem.dev_certs import DevCA
+
+            self.ca = DevCA(self.log_dir / "tls", hosts=[config.host])
 
     # -- what to run ---------------------------------------------------------------------------
 
@@ -297,16 +313,38 @@ class Cluster:
     def _listen(self, port: int = 0) -> list[str]:
         return ["--host", self.config.host, "--port", str(port)]
 
+    def tls_flags(self, name: str) -> list[str]:
+        """``--tls-cert/--tls-key/--tls-ca`` of service ``name`` (its certificate is issued on first use);
+        none without ``config.tls``."""
+        if self.ca is None:
+            return []
+        if name not in self._certs:
+            self._certs[name] = self.ca.issue(name)
+        return self._certs[name].flags()
+
+    @property
+    def ca_path(self) -> Path | None:
+        """The CA a client of this cluster's gateway trusts (``tandem generate --tls-ca``); None without TLS."""
+        return self.ca.ca_path if self.ca else None
+
+    def client_tls(self) -> ClientTLS | None:
+        """How a client reaches the gateway's public port: TLS trusting the cluster's CA (None without TLS)."""
+        if self.ca is None:
+            return None
+        from tandem.tls import ClientTLS
+
+        return ClientTLS(ca=self.ca.ca_path.read_bytes())
+
     def kvstore_spec(self) -> ServiceSpec:
         argv = ["-m", "kvstore.server", *self._listen(), "--capacity-gb", repr(self.config.kv_capacity_gb),
                 "--block-bytes", str(self.block_bytes())]
         if self.config.redis_url:
             argv += ["--redis-url", self.config.redis_url]
-        return ServiceSpec("kvstore", "kvstore", argv + self._extra("kvstore"))
+        return ServiceSpec("kvstore", "kvstore", argv + self.tls_flags("kvstore") + self._extra("kvstore"))
 
     def tokenizer_spec(self) -> ServiceSpec:
         argv = ["-m", "tokenizer_svc.server", "--model", str(self.model_dir), *self._listen()]
-        return ServiceSpec("tokenizer", "tokenizer", argv + self._extra("tokenizer"))
+        return ServiceSpec("tokenizer", "tokenizer", argv + self.tls_flags("tokenizer") + self._extra("tokenizer"))
 
     def worker_engine_args(self, kind: str = "decode") -> list[str]:
         """The user's engine flags, with the model pinned and the CPU threads shared out among workers
@@ -324,7 +362,7 @@ class Cluster:
         kinds = [("prefill", self.config.num_prefill)] if self.config.disaggregated else []
         kinds.append(("decode", self.config.num_decode))
         return [ServiceSpec(f"{kind}-{i}", kind, ["-m", f"{kind}_svc.server", *self.worker_engine_args(kind), *store,
-                                                  *self._listen(), *self._extra(kind)])
+                                                  *self._listen(), *self.tls_flags(f"{kind}-{i}"), *self._extra(kind)])
                 for kind, count in kinds for i in range(count)]
 
     def gateway_spec(self) -> ServiceSpec:
@@ -334,7 +372,8 @@ class Cluster:
         if self.config.disaggregated:
             assert self.kvstore is not None
             argv += ["--prefill-workers", ",".join(s.address for s in self.prefill), "--kvstore", self.kvstore.address]
-        return ServiceSpec("gateway", "gateway", argv + self._extra("gateway"))
+        # One certificate for both sides: the public port's, and the gateway's towards the other services.
+        return ServiceSpec("gateway", "gateway", argv + self.tls_flags("gateway") + self._extra("gateway"))
 
     # -- starting --------------------------------------------------------------------------------
 
@@ -484,8 +523,9 @@ class Cluster:
 
 
 def _serving(svc: ServiceProcess, deadline: float) -> bool:
-    """Poll one service's overall health status until SERVING, its exit, or ``deadline``."""
-    with grpc.insecure_channel(svc.address) as ch:
+    """Poll one service's overall health status until SERVING, its exit, or ``deadline`` (on its plaintext
+    health port when it announced one: a service with TLS does)."""
+    with grpc.insecure_channel(svc.ready.get("health") or svc.address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             remaining = deadline - time.monotonic()

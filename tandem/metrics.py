@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import REGISTRY, Collector
+from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from tandem.settings import env_default
 
@@ -71,25 +71,33 @@ def counter(name: str, doc: str, value: float, labels: dict[str, str] | None = N
 class RequestMetrics:
     """What the gateway observes of every request, as the client sees it."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry  # tests give each in-process gateway its own
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token, at the gateway",
-                              buckets=TTFT_BUCKETS)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive streamed messages",
-                             buckets=ITL_BUCKETS)
+                             buckets=ITL_BUCKETS, registry=r)
         self.tpot = Histogram("tandem_request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request", buckets=ITL_BUCKETS)
+                              "Mean time per output token after the first, per request", buckets=ITL_BUCKETS,
+                              registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=E2E_BUCKETS)
+                             buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("tandem_request_queue_time_seconds",
-                               "Time requests waited in engine queues (prefill + decode)", buckets=TTFT_BUCKETS)
-        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated and sent")
+                               "Time requests waited in engine queues (prefill + decode)", buckets=TTFT_BUCKETS,
+                               registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated and sent", registry=r)
         self.cached_tokens = Counter("tandem_prompt_tokens_cached",
-                                     "Prompt tokens served from a cache (engine or kvstore)")
-        self.outcomes = Counter("tandem_requests", "Requests by final gRPC status code", ["code"])
-        self.running = Gauge("tandem_num_requests_running", "Requests in flight at the gateway")
-        self.prefill_retries = Counter("tandem_prefill_retries", "Prefill attempts re-sent to another worker")
-        self.migrations = Counter("tandem_migrations", "Requests moved to another decode worker mid-stream")
+                                     "Prompt tokens served from a cache (engine or kvstore)", registry=r)
+        self.outcomes = Counter("tandem_requests", "Requests by final gRPC status code", ["code"], registry=r)
+        self.running = Gauge("tandem_num_requests_running", "Requests in flight at the gateway", registry=r)
+        self.prefill_retries = Counter("tandem_prefill_retries", "Prefill attempts re-sent to another worker",
+                                       registry=r)
+        self.migrations = Counter("tandem_migrations", "Requests moved to another decode worker mid-stream",
+                                  registry=r)
+        # Only with API keys on: the names come from the keys file, so the label is bounded.
+        self.api_key_requests = Counter("tandem_api_key_requests", "Generate calls by API key name and final "
+                                        "gRPC status code", ["api_key", "code"], registry=r)
 
 
 class TransferMetrics:

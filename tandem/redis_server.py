@@ -7,6 +7,7 @@ and reconnects are the ones production runs.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -52,6 +53,15 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
             time.sleep(0.01)
         return self
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open, nothing answers, as with a hung node."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self._proc is None:

@@ -5,6 +5,11 @@ A service builds its servicers, hands them to ``start_server`` (which binds port
 to a free port when asked), prints ``<NAME> READY grpc=host:port ...`` and then
 ``wait_for_signal``; health goes NOT_SERVING before the server drains, so that
 load balancers stop sending first.
+
+Transport security (``tandem.tls``): ``start_server`` binds its port with TLS when the service's
+``ServiceTLS`` has server credentials, and then serves ``grpc.health.v1`` alone on a plaintext health
+port too (Kubernetes' gRPC probes cannot speak TLS); ``channel`` opens every channel to another
+service with the credentials the process installed at start (mutual TLS), plaintext without.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tandem.tls import ClientTLS, ServerTLS, ServiceTLS, internal_client
 
 # Large enough for a 128k-token prompt of uint32 ids with room to spare; the gateway
 # enforces its own, tighter limits on what a client may send.
@@ -63,6 +70,12 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     names: tuple[str, ...]
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only port, when TLS is on
+    health_port: int | None = None
+
+    def ready_fields(self, host: str) -> dict[str, str]:
+        """What the READY line adds for this server: the health port's address, if there is one."""
+        return {"health": f"{host}:{self.health_port}"} if self.health_port is not None else {}
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -72,14 +85,41 @@ class RunningServer:
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
-async def start_server(services: Sequence[Service], host: str, port: int) -> RunningServer:
-    """Bind, register health and reflection next to ``services``, start, and report SERVING."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = None) -> int:
+    """Add the service's port to ``server``, with TLS when ``tls`` is given; the port bound."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
+    return bound
+
+
+async def start_health_server(servicer: health.aio.HealthServicer, host: str, port: int
+                              ) -> tuple[grpc.aio.Server, int]:
+    """``servicer`` (the one the main port serves, so both say the same) alone on a plaintext port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    return server, bound
+
+
+async def start_server(services: Sequence[Service], host: str, port: int,
+                       tls: ServiceTLS | None = None, max_receive_bytes: int | None = None) -> RunningServer:
+    """Bind (with TLS when ``tls.server`` is set, plus its plaintext health port), register health and
+    reflection next to ``services``, start, and report SERVING. ``max_receive_bytes``: a smaller limit on
+    request messages than MAX_MESSAGE_BYTES (the gateway's public port)."""
+    tls = tls or ServiceTLS()
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options)
+    bound = bind(server, host, port, tls.server)
     for s in services:
         s.add(s.servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -88,6 +128,9 @@ async def start_server(services: Sequence[Service], host: str, port: int) -> Run
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
     running = RunningServer(server, bound, health_servicer, names)
+    if tls.health_port is not None:
+        running.health_server, running.health_port = await start_health_server(health_servicer, host,
+                                                                               tls.health_port)
     await running.set_serving(True)
     return running
 
@@ -128,6 +171,13 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """A client channel to another tandem service, with the shared limits and keepalives."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """A client channel to another tandem service, with the shared limits and keepalives.
+
+    TLS: ``tls`` when given, else what this process installed at start (``tandem.tls.setup``: a
+    service's mutual-TLS identity), else plaintext.
+    """
+    tls = tls or internal_client()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*CHANNEL_OPTIONS, *tls.options()])

@@ -35,6 +35,7 @@ from tandem.service import (
     stop_signal,
 )
 from tandem.settings import env_default
+from tandem.tls import ServiceTLS, add_tls_args, setup
 from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer, TokenizerInputError
 
 log = logging.getLogger("tandem.tokenizer")
@@ -193,18 +194,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address to bind and advertise")
     p.add_argument("--port", type=int, default=env_default("--port", 0), help="gRPC port (0: pick a free one)")
     add_metrics_args(p)
+    add_tls_args(p)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
     """Serve until SIGINT / SIGTERM, then stop gracefully (health NOT_SERVING first, then drain)."""
+    tls = tls or setup(args, "tokenizer")
     model = resolve_model(args.model)
     tokenizer = TextTokenizer(model)
-    running = await start_server([build_service(tokenizer)], args.host, args.port)
+    running = await start_server([build_service(tokenizer)], args.host, args.port, tls)
     stop = stop_signal()
     log.info("model %s: vocab %d, eos ids %s, chat template %s", model, tokenizer.vocab_size,
              list(tokenizer.eos_token_ids), "yes" if tokenizer.has_chat_template else "no")
     extra = start_observability("tokenizer", args.host, running.port, args.metrics_port)
-    announce("tokenizer", grpc=f"{args.host}:{running.port}", **extra)
+    announce("tokenizer", grpc=f"{args.host}:{running.port}", **running.ready_fields(args.host), **extra)
     await stop.wait()
     await running.stop()
     stop_observability()
@@ -212,8 +215,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging()
+    tls = setup(args, "tokenizer")
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, tls))
     except OSError as exc:  # no tokenizer.json, port taken
         log.error("the tokenizer service cannot start: %s", exc)
         return 1

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Template, nodes
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -26,6 +29,13 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # Special tokens handed to the template by name, as transformers does.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# What one chat template render may take: a template loops over client-sized messages.
+RENDER_BUDGET_S = 5.0
+MAX_RENDERED_CHARS = 64 * 2**20
+MAX_INT_BITS = 2**16  # integers a template may compute (** and * on ints)
+# What a template error may be: jinja2's own, and Python's from filters and operators on bad values.
+_TEMPLATE_FAILURES = (TemplateError, TypeError, LookupError, ValueError, AttributeError, ArithmeticError,
+                      RecursionError)
 
 
 class TokenizerInputError(ValueError):
@@ -99,16 +109,24 @@ class TextTokenizer:
         return self.encode(self.render_chat(messages, continue_final_message=continue_final_message), False)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        template = self._template()
+        parts, size = [], 0
         try:
-            return self._template().render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **{name: self.special_token(name) or "" for name in _TEMPLATE_TOKENS},
-            )
-        except (TemplateError, TypeError, LookupError, ValueError) as exc:
+            with template.environment.budget(RENDER_BUDGET_S):
+                for part in template.generate(
+                    messages=messages,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=None,
+                    documents=None,
+                    **{name: self.special_token(name) or "" for name in _TEMPLATE_TOKENS},
+                ):
+                    size += len(part)
+                    if size > MAX_RENDERED_CHARS:
+                        raise SecurityError(f"the rendered prompt is longer than {MAX_RENDERED_CHARS} characters")
+                    parts.append(part)
+        except _TEMPLATE_FAILURES as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from exc
+        return "".join(parts)
 
     def _template(self) -> Template:
         if not self.chat_template:
@@ -180,9 +198,62 @@ class _GenerationTag(Extension):
         return caller()
 
 
-def _sandbox() -> ImmutableSandboxedEnvironment:
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox (no file access: no loader; no code: no unsafe attributes or mutation), made
+    stricter: an unsafe attribute fails at once (jinja2 hands back an Undefined that renders as ""), ``**``
+    and ``*`` cannot build huge numbers or strings, and a render has a time budget, checked at every call,
+    attribute, item and operator."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._render_state = threading.local()  # renders run on several threads at once
+
+    @contextmanager
+    def budget(self, seconds: float) -> Iterator[None]:
+        self._render_state.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._render_state.deadline = None
+
+    def _tick(self) -> None:
+        deadline = getattr(self._render_state, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise SecurityError(f"rendering took longer than {RENDER_BUDGET_S:g} s")
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self._tick()
+        if isinstance(left, int) and isinstance(right, int):
+            bits = left.bit_length() * max(right, 0) if operator == "**" else left.bit_length() + right.bit_length()
+            if bits > MAX_INT_BITS:
+                raise SecurityError(f"integers in a chat template are limited to {MAX_INT_BITS} bits")
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > MAX_RENDERED_CHARS:
+                raise SecurityError(f"a repeated sequence is limited to {MAX_RENDERED_CHARS} items")
+        return super().call_binop(context, operator, left, right)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._tick()
+        return super().getitem(obj, argument)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        __self._tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _sandbox() -> _Sandbox:
     """The environment transformers renders templates in, so Hub templates behave the same here."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

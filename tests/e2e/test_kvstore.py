@@ -168,11 +168,72 @@ def test_checksum_mismatch_is_never_served(node):
 
     async def go(c: KVStoreClient):
         res = await c.stub.Reserve(pb.ReserveRequest(num_blocks=1))
-        await c.data.write(res.data_address, list(res.slots), [block])
+        await c.data.write(res.data_address, res.token, list(res.slots), [block])
         bad = pb.CommitBlock(slot=res.slots[0], key=key, length=BLOCK, checksum=checksum(block) ^ 1)
         done = await c.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=[bad]))
         assert (done.committed, done.rejected) == (0, 1)
         assert (await c.pull([key])).misses == 1
+
+    run(_with_client(node.grpc, go))
+
+
+def test_the_data_plane_serves_only_transfers_under_a_valid_token(node):
+    blocks = random_blocks(4, seed=11)
+    keys = [k for k, _ in blocks]
+    garbage = [np.full(BLOCK, 0xAB, dtype=np.uint8)]
+
+    def out(n: int = 1) -> list[np.ndarray]:
+        return [np.zeros(BLOCK, dtype=np.uint8) for _ in range(n)]
+
+    async def go(c: KVStoreClient):
+        await c.push(blocks)
+        held = await c.stub.Lookup(pb.LookupRequest(keys=keys[:2], lease=True))
+        mine = [loc.slot for loc in held.blocks]
+        others = [loc.slot for loc in (await c.stub.Lookup(pb.LookupRequest(keys=keys))).blocks[2:]]
+        res = await c.stub.Reserve(pb.ReserveRequest(num_blocks=1))
+        forged, raw = os.urandom(16), c.data  # the data-plane client alone: a raw UCX peer
+        refused = [
+            raw.read(node.data, b"", mine, out(2)),  # no token
+            raw.read(node.data, forged, mine, out(2)),
+            raw.read(node.data, held.lease_token, others[:1], out()),  # a token for other slots
+            raw.read(node.data, held.lease_token, [*mine, others[0]], out(3)),
+            raw.read(node.data, res.token, list(res.slots), out()),  # a reservation does not read
+            raw.write(node.data, b"", mine[:1], garbage),
+            raw.write(node.data, forged, others[:1], garbage),
+            raw.write(node.data, held.lease_token, mine[:1], garbage),  # a lease does not write
+            raw.write(node.data, res.token, mine[:1], garbage),  # a reservation writes its own slots only
+        ]
+        for attempt in refused:
+            with pytest.raises(PermissionError, match="refused"):
+                await attempt
+        got = out(2)
+        await raw.read(node.data, held.lease_token, mine, got)  # the lease holder reads, byte for byte
+        assert all(np.array_equal(x, y) for x, (_, y) in zip(got, blocks[:2], strict=True))
+
+        # Tokens die with their reservation or lease: released, committed, expired.
+        await c.stub.Release(pb.ReleaseRequest(lease_id=held.lease_id, reservation_id=res.reservation_id))
+        short = await c.stub.Lookup(pb.LookupRequest(keys=keys[2:], lease=True, lease_ttl_s=0.2))
+        committed = await c.stub.Reserve(pb.ReserveRequest(num_blocks=1))
+        await raw.write(node.data, committed.token, list(committed.slots), garbage)
+        await c.stub.Commit(pb.CommitRequest(reservation_id=committed.reservation_id, blocks=[
+            pb.CommitBlock(slot=committed.slots[0], key=os.urandom(32), length=BLOCK, checksum=checksum(garbage[0]))
+        ]))
+        await asyncio.sleep(0.4)
+        dead = [
+            raw.read(node.data, held.lease_token, mine, out(2)),
+            raw.write(node.data, res.token, list(res.slots), garbage),
+            raw.write(node.data, committed.token, list(committed.slots), out()),
+            raw.read(node.data, short.lease_token, [loc.slot for loc in short.blocks], out(2)),
+        ]
+        for attempt in dead:
+            with pytest.raises(PermissionError):
+                await attempt
+
+        pulled = await c.pull(keys)  # nothing refused touched the pool
+        assert pulled.misses == 0
+        assert all(np.array_equal(x, y) for x, (_, y) in zip(pulled.blocks, blocks, strict=True))
+        stats = await c.stats()
+        assert stats.refused_transfers == len(refused) + len(dead) and stats.reserved_blocks == 0
 
     run(_with_client(node.grpc, go))
 
@@ -205,12 +266,18 @@ def test_two_nodes_share_a_redis_index_and_a_dead_node_is_purged():
             run(_with_client(a.grpc, lambda c: c.push(blocks)))
 
             async def through_b(c: KVStoreClient):
-                found = await c.stub.Lookup(pb.LookupRequest(keys=[k for k, _ in blocks]))
+                found = await c.stub.Lookup(pb.LookupRequest(keys=[k for k, _ in blocks], lease=True))
                 assert [loc.node_id for loc in found.blocks] == [a.node_id] * 8
-                got = await c.pull([k for k, _ in blocks])  # the bytes come from a's pool over UCX
+                assert {loc.control_address for loc in found.blocks} == {a.grpc} and not found.lease_id
+                with pytest.raises(PermissionError):  # b's lease does not cover a's blocks
+                    await c.data.read(a.data, found.lease_token, [found.blocks[0].slot], [np.empty(BLOCK, np.uint8)])
+                got = await c.pull([k for k, _ in blocks])  # a's lease, taken at a; the bytes from a's pool
+                assert got.misses == 0
                 assert all(np.array_equal(x, y) for x, (_, y) in zip(got.blocks, blocks, strict=True))
 
             run(_with_client(b.grpc, through_b))
+            stats = run(_with_client(a.grpc, lambda c: c.stats()))
+            assert stats.active_leases == 0 and stats.refused_transfers == 1
             a.kill(signal.SIGKILL)  # no clean purge: b must notice the missing heartbeats
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:

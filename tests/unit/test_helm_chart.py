@@ -47,6 +47,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "engine": {"dtype": "float16", "maxModelLen": 8192},
         "kvstore": {"capacityGb": 64.5, "blockBytes": 2097152},
     },
+    "tls": {
+        "tls": {"public": {"secretName": "tandem-gateway-tls", "clientCASecretName": "tandem-clients-ca",
+                           "serverName": "llm.example.com"},
+                "internal": {"secretName": "tandem-mtls", "componentSecrets": {"gateway": "tandem-gateway-mtls"},
+                             "serverName": "tandem.internal"}},
+    },
+    "aggregated-mtls-only": {"mode": "aggregated", "tls": {"internal": {"secretName": "tandem-mtls"}}},
+    "api-keys": {"gateway": {"apiKeys": {"existingSecret": "tandem-api-keys", "secretKey": "keys.json"},
+                             "maxPromptTokens": 4096},
+                 "tests": {"apiKeySecret": "tandem-test-key"}},
 }
 
 
@@ -250,10 +260,15 @@ def test_every_container_has_probes(rendered, name):
             assert "livenessProbe" in c and "readinessProbe" in c, f"{w['metadata']['name']}/{c['name']}"
             if c.get("command", [None])[0] != "tandem":
                 continue
-            # tandem services: gRPC probes on grpc.health.v1.Health ("" = the whole server) at the port they serve
-            port = int(container_env(objects, c)["TANDEM_PORT"])
-            grpc_port = {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
-            assert port == grpc_port
+            # tandem services: gRPC probes on grpc.health.v1.Health ("" = the whole server) at the port they serve,
+            # or, when that port has TLS (which the probes cannot speak), at the plaintext health port beside it
+            env = container_env(objects, c)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert int(env["TANDEM_PORT"]) == ports["grpc"]
+            port = ports["grpc"]
+            if "TANDEM_HEALTH_PORT" in env:
+                assert int(env["TANDEM_HEALTH_PORT"]) == ports["health"] != port
+                port = ports["health"]
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert c[probe]["grpc"] == {"port": port, "service": ""}, probe
 
@@ -535,3 +550,100 @@ def test_readme_documents_every_value():
     for leaf in leaves(yaml.safe_load(text)):  # each value is documented, or inside a documented one
         parts = leaf.split(".")
         assert any(".".join(parts[:i]) in documented for i in range(1, len(parts) + 1)), f"{leaf} is undocumented"
+
+
+def test_tls_from_secrets(rendered):
+    """TLS on the public port and mutual TLS inside: every service reads its certificate files from a Secret
+    mounted read-only where its TANDEM_TLS_* variables point, and is probed on its plaintext health port."""
+    objects = rendered["tls"]
+    tls_dir = "/etc/tandem/tls"
+
+    def mounted(comp: str) -> dict[str, tuple[str, set[str]]]:
+        """mount path -> (Secret, keys) of a component's Secret volumes."""
+        spec = workload(objects, comp)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+        out = {}
+        for m in main_container(workload(objects, comp))["volumeMounts"]:
+            if m["name"] in volumes:
+                assert m["readOnly"] is True
+                secret = volumes[m["name"]]
+                assert secret["defaultMode"] == 0o440, "keys readable by the pod's group (fsGroup) only"
+                out[m["mountPath"]] = (secret["secretName"], {i["path"] for i in secret["items"]})
+        return out
+
+    def file_of(comp: str, path: str) -> str:
+        """The Secret behind a file a TANDEM_TLS_* variable names, checking that the file is mounted."""
+        folder, name = path.rsplit("/", 1)
+        secret, keys = mounted(comp)[folder]
+        assert name in keys, path
+        return secret
+
+    gateway = env_of(objects, "gateway")
+    assert file_of("gateway", gateway["TANDEM_TLS_CERT"]) == "tandem-gateway-tls"
+    assert file_of("gateway", gateway["TANDEM_TLS_KEY"]) == "tandem-gateway-tls"
+    assert file_of("gateway", gateway["TANDEM_TLS_CLIENT_CA"]) == "tandem-clients-ca"
+    assert file_of("gateway", gateway["TANDEM_TLS_INTERNAL_CERT"]) == "tandem-gateway-mtls"
+    assert file_of("gateway", gateway["TANDEM_TLS_INTERNAL_KEY"]) == "tandem-gateway-mtls"
+    assert file_of("gateway", gateway["TANDEM_TLS_CA"]) == "tandem-gateway-mtls"
+    for comp in ("tokenizer", "prefill", "decode", "kvstore"):
+        env = env_of(objects, comp)
+        for var in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+            assert env[var].startswith(f"{tls_dir}/internal/") and file_of(comp, env[var]) == "tandem-mtls"
+        assert "TANDEM_TLS_CLIENT_CA" not in env and "TANDEM_TLS_INTERNAL_CERT" not in env
+    for comp in ("gateway", "tokenizer", "prefill", "decode", "kvstore"):
+        env = env_of(objects, comp)
+        assert env["TANDEM_TLS_SERVER_NAME"] == "tandem.internal" and env["TANDEM_HEALTH_PORT"] == "8081"
+    # The helm test verifies the gateway with the public Secret's CA, and mounts nothing else of it.
+    [pod] = kind(objects, "Pod")
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--tls-ca") + 1] == f"{tls_dir}/public/ca.crt"
+    assert args[args.index("--tls-server-name") + 1] == "llm.example.com"
+    [secret] = [v["secret"] for v in pod["spec"]["volumes"] if "secret" in v]
+    assert secret["secretName"] == "tandem-gateway-tls" and secret["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    # mutual TLS only: the gateway's public port stays plaintext (and is probed there), the rest is mTLS
+    inside = rendered["aggregated-mtls-only"]
+    gateway = env_of(inside, "gateway")
+    assert "TANDEM_TLS_CERT" not in gateway and "TANDEM_HEALTH_PORT" not in gateway
+    assert gateway["TANDEM_TLS_INTERNAL_CERT"] == f"{tls_dir}/internal/tls.crt"
+    assert env_of(inside, "decode")["TANDEM_HEALTH_PORT"] == "8081"
+    # no TLS: no TLS variables, no health port, no Secret volumes
+    for comp in ("gateway", "tokenizer", "prefill", "decode", "kvstore"):
+        assert not [k for k in env_of(rendered["default"], comp) if k.startswith("TANDEM_TLS") or "HEALTH" in k]
+
+
+def test_tls_mistakes_fail_with_an_explanation():
+    for values, message in [
+        ({"tls": {"public": {"clientCASecretName": "ca"}}}, "needs tls.public.secretName"),
+        ({"tls": {"internal": {"componentSecrets": {"gateway": "gw-mtls"}}}}, "every component needs a certificate"),
+    ]:
+        with pytest.raises(helm.HelmError, match=message):
+            render(values)
+    for values, message in [
+        ({"tls": {"internal": {"componentSecrets": {"redis": "x"}}}}, "redis"),
+        ({"tls": {"healthPort": 0}}, "healthPort"),
+    ]:
+        with pytest.raises(helm.HelmError, match=message):
+            render(values)
+
+
+def test_api_keys_from_a_secret(rendered):
+    """The gateway reads its API keys file from a Secret mounted as a directory (a subPath mount would never see
+    the Secret's updates, which the gateway picks up by itself); no other component sees it."""
+    objects = rendered["api-keys"]
+    env = env_of(objects, "gateway")
+    assert env["TANDEM_API_KEYS_FILE"] == "/etc/tandem/api-keys/keys.json"
+    assert env["TANDEM_MAX_PROMPT_TOKENS"] == "4096"
+    spec = workload(objects, "gateway")["spec"]["template"]["spec"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"]["secretName"] == "tandem-api-keys"
+    assert [i["path"] for i in volume["secret"]["items"]] == ["keys.json"]
+    [mount] = [m for m in main_container(workload(objects, "gateway"))["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount == {"name": "api-keys", "mountPath": "/etc/tandem/api-keys", "readOnly": True}
+    for w in workloads(objects):
+        if component(w) != "gateway":
+            assert "TANDEM_API_KEYS_FILE" not in container_env(objects, main_container(w))
+            assert "api-keys" not in {v["name"] for v in w["spec"]["template"]["spec"].get("volumes", [])}
+    assert "TANDEM_API_KEYS_FILE" not in env_of(rendered["default"], "gateway")
+    [test_pod] = kind(objects, "Pod")  # `helm test` sends a key of its own, from another Secret
+    [key_env] = [e for e in test_pod["spec"]["containers"][0]["env"] if e["name"] == "TANDEM_API_KEY"]
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "tandem-test-key", "key": "key"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
+from kvstore.pool import TOKEN_BYTES, BlockPool, CapacityError, Commit, UnknownHandleError
 
 
 class Clock:
@@ -75,3 +75,107 @@ def test_pulled_partials_are_dropped_for_their_request_only():
     store(pool, [("a", 0), ("a", 1), ("b", 0)])
     assert pool.drop_partials("a") == 2
     assert pool.find([("a", 0), ("b", 0)])[0] is None and pool.find([("b", 0)])[0] is not None
+
+
+# -- data-plane capabilities ----------------------------------------------------------------------
+
+
+def test_a_reservation_token_admits_writes_into_its_own_slots_only():
+    pool = BlockPool(8 * 16, 16)
+    rid, slots, _ = pool.reserve(3, 10)
+    other, other_slots, _ = pool.reserve(2, 10)
+    token = pool.token_of(rid)
+    assert len(token) == TOKEN_BYTES and token != pool.token_of(other)
+    grant = pool.begin_transfer(token, slots, write=True)
+    assert grant is not None
+    pool.end_transfer(grant)
+    pool.end_transfer(pool.begin_transfer(token, slots[1:], write=True))  # a subset is fine
+    refused = [
+        (token, slots, False),  # a reservation is for writes, never reads
+        (token, [*slots, other_slots[0]], True),  # another reservation's slot
+        (token, [pool.num_slots - 1], True),  # a free slot
+        (pool.token_of(other), slots[:1], True),
+        (bytes(TOKEN_BYTES), slots, True),  # what a peer without a token sends
+        (b"", slots, True),
+        (bytes([token[0] ^ 1]) + token[1:], slots, True),  # forged
+    ]
+    for t, s, write in refused:
+        assert pool.begin_transfer(t, s, write) is None
+    assert pool.snapshot()["refused_transfers"] == len(refused)
+    pool.refuse_transfer()  # the data plane counts a malformed header here
+    assert pool.stats.refused_transfers == len(refused) + 1
+
+
+def test_a_lease_token_admits_reads_of_its_blocks_only():
+    pool = BlockPool(8 * 16, 16)
+    slots = store(pool, [key(1), key(2), key(3)])
+    lease = pool.lease(slots[:2], ttl_s=10)
+    token = pool.token_of(lease)
+    pool.end_transfer(pool.begin_transfer(token, slots[:2], write=False))
+    assert pool.begin_transfer(token, slots[:2], write=True) is None  # a lease never writes
+    assert pool.begin_transfer(token, slots, write=False) is None  # slots[2] is not leased
+    assert pool.stats.refused_transfers == 2
+
+
+def test_tokens_die_with_their_reservation_or_lease():
+    clock = Clock()
+    pool = BlockPool(8 * 16, 16, clock=clock)
+    committed, cancelled, expiring = (pool.reserve(1, ttl_s=5) for _ in range(3))
+    tokens = {name: (pool.token_of(r[0]), r[1]) for name, r in
+              [("committed", committed), ("cancelled", cancelled), ("expiring", expiring)]}
+    pool.commit(committed[0], [Commit(committed[1][0], key(1), 1, 0)])
+    pool.cancel(cancelled[0])
+    clock.now = 5  # expired, not yet swept: refused all the same
+    for token, slots in tokens.values():
+        assert pool.begin_transfer(token, slots, write=True) is None
+    with pytest.raises(UnknownHandleError):
+        pool.token_of(committed[0])
+
+    clock.now = 0
+    pool.expire()
+    slot = pool.find([key(1)])[0][0]
+    released, expiring = pool.lease([slot], ttl_s=5), pool.lease([slot], ttl_s=5)
+    released_token, expiring_token = pool.token_of(released), pool.token_of(expiring)
+    pool.release(released)
+    assert pool.begin_transfer(released_token, [slot], write=False) is None
+    clock.now = 5
+    assert pool.begin_transfer(expiring_token, [slot], write=False) is None
+    pool.expire()
+    assert pool.snapshot()["active_leases"] == 0 and pool.stats.refused_transfers == 5
+
+
+def test_a_transfer_in_flight_pins_its_blocks_and_slots():
+    clock = Clock()
+    pool = BlockPool(2 * 16, 16, clock=clock)
+    (slot,) = store(pool, [key(1)])
+    lease = pool.lease([slot], ttl_s=10)
+    reading = pool.begin_transfer(pool.token_of(lease), [slot], write=False)
+    pool.release(lease)  # mid-read: the block must not change under the reader
+    with pytest.raises(CapacityError):
+        pool.reserve(2, 10)  # 1 free; the block is still held by the read
+    pool.end_transfer(reading)
+    _, _, evicted = pool.reserve(2, 10)
+    assert evicted.keys == [key(1)]
+
+    pool = BlockPool(2 * 16, 16, clock=clock)
+    rid, slots, _ = pool.reserve(1, ttl_s=1)
+    writing = pool.begin_transfer(pool.token_of(rid), slots, write=True)
+    with pytest.raises(ValueError, match="still running"):
+        pool.commit(rid, [Commit(slots[0], key(2), 1, 0)])
+    clock.now = 2
+    pool.expire()  # expired mid-write: its slot is not handed to another writer yet
+    assert pool.snapshot()["free_blocks"] == 1 and pool.begin_transfer(writing.token, slots, write=True) is None
+    pool.end_transfer(writing)
+    assert pool.snapshot()["free_blocks"] == 2
+
+
+def test_a_leased_partial_block_outlives_its_drop_until_the_lease_ends():
+    pool = BlockPool(4 * 16, 16)
+    (slot,) = store(pool, [("req", 0)])
+    lease = pool.lease([slot], ttl_s=10)
+    assert pool.drop_partials("req") == 1
+    pool.expire()
+    assert pool.snapshot()["stored_blocks"] == 1  # a reader holds it: its slot is not reused under it
+    pool.release(lease)
+    pool.expire()
+    assert pool.find([("req", 0)]) == [None] and pool.snapshot()["free_blocks"] == 4

@@ -20,12 +20,19 @@ TANDEM_KVSTORE: {{ include "tandem.kvstoreAddress" . | quote }}
 TANDEM_DECODE_WORKERS: {{ include "tandem.workerAddresses" (dict "root" . "component" "decode") | quote }}
 TANDEM_MAX_INFLIGHT: {{ include "tandem.scalar" .Values.gateway.maxInflight | quote }}
 TANDEM_PROBE_INTERVAL_S: {{ include "tandem.scalar" .Values.gateway.probeIntervalS | quote }}
+TANDEM_MAX_PROMPT_TOKENS: {{ include "tandem.scalar" .Values.gateway.maxPromptTokens | quote }}
+TANDEM_MAX_REQUEST_BYTES: {{ include "tandem.scalar" .Values.gateway.maxRequestBytes | quote }}
+{{- if .Values.gateway.apiKeys.existingSecret }}
+TANDEM_API_KEYS_FILE: {{ printf "/etc/tandem/api-keys/%s" .Values.gateway.apiKeys.secretKey | quote }}
+{{- end }}
+{{- include "tandem.tls.config" (dict "root" . "component" "gateway") }}
 {{- end -}}
 
 {{- define "tandem.config.tokenizer" -}}
 TANDEM_HOST: "0.0.0.0"
 TANDEM_PORT: {{ .Values.tokenizer.port | quote }}
 TANDEM_MODEL: {{ include "tandem.modelPath" . | quote }}
+{{- include "tandem.tls.config" (dict "root" . "component" "tokenizer") }}
 {{- end -}}
 
 {{/* (dict "root" $ "component" "prefill"|"decode") */}}
@@ -41,6 +48,7 @@ TANDEM_KVSTORE: {{ include "tandem.kvstoreAddress" .root | quote }}
 TANDEM_MAX_WAITING: {{ include "tandem.scalar" $v.maxWaiting | quote }}
 {{- end }}
 {{- include "tandem.flagEntries" (include "tandem.engineFlags" . | fromJson) }}
+{{- include "tandem.tls.config" . }}
 {{- end -}}
 
 {{- define "tandem.config.prefill" -}}
@@ -63,4 +71,5 @@ TANDEM_PARTIAL_TTL_S: {{ include "tandem.scalar" $v.partialTtlS | quote }}
 {{- if has (include "tandem.redisSource" .) (list "in-chart" "external") }}
 TANDEM_REDIS_URL: {{ include "tandem.redisUrl" . | quote }}
 {{- end }}
+{{- include "tandem.tls.config" (dict "root" . "component" "kvstore") }}
 {{- end -}}

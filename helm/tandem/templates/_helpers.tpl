@@ -350,11 +350,17 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end -}}
 
-{{/* Container ports: grpc (+ data for the kvstore) + metrics. (dict "root" $ "port" 50051) */}}
+{{/* Container ports: grpc + metrics (+ the plaintext health port when the component serves TLS).
+     (dict "root" $ "port" 50051 "component" "gateway") */}}
 {{- define "tandem.containerPorts" -}}
 - name: grpc
   containerPort: {{ .port }}
   protocol: TCP
+{{- if and .component (include "tandem.tls.server" (dict "root" .root "component" .component)) }}
+- name: health
+  containerPort: {{ .root.Values.tls.healthPort }}
+  protocol: TCP
+{{- end }}
 {{- if .root.Values.metrics.enabled }}
 - name: metrics
   containerPort: {{ .root.Values.metrics.port }}
@@ -372,6 +378,124 @@ prometheus.io/path: /metrics
   port: {{ .root.Values.metrics.port }}
   targetPort: metrics
   protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{/* TLS ------------------------------------------------------------------------------------------------- */}}
+
+{{/* Where the Secrets are mounted: <dir>/public (tls.crt, tls.key), <dir>/client-ca (ca.crt), <dir>/internal
+     (ca.crt, tls.crt, tls.key). */}}
+{{- define "tandem.tls.dir" -}}/etc/tandem/tls{{- end -}}
+
+{{/* The Secret of a component's mutual TLS ("" when off). (dict "root" $ "component" "gateway") */}}
+{{- define "tandem.tls.internalSecret" -}}
+{{- $i := .root.Values.tls.internal -}}
+{{- default $i.secretName (get (default (dict) $i.componentSecrets) .component) -}}
+{{- end -}}
+
+{{/* "true" when a component's gRPC port serves TLS: the gateway's with tls.public, the others' with mutual TLS.
+     Such a port gets a plaintext health port next to it for the probes. (dict "root" $ "component" ..) */}}
+{{- define "tandem.tls.server" -}}
+{{- if eq .component "gateway" -}}
+{{- if .root.Values.tls.public.secretName -}}true{{- end -}}
+{{- else if include "tandem.tls.internalSecret" . -}}true
+{{- end -}}
+{{- end -}}
+
+{{/* The TANDEM_TLS_* and TANDEM_HEALTH_PORT entries of a component's ConfigMap. (dict "root" $ "component" ..) */}}
+{{- define "tandem.tls.config" -}}
+{{- $dir := include "tandem.tls.dir" . -}}
+{{- $t := .root.Values.tls -}}
+{{- $internal := include "tandem.tls.internalSecret" . -}}
+{{- if eq .component "gateway" }}
+{{- if $t.public.secretName }}
+TANDEM_TLS_CERT: {{ printf "%s/public/tls.crt" $dir | quote }}
+TANDEM_TLS_KEY: {{ printf "%s/public/tls.key" $dir | quote }}
+{{- if $t.public.clientCASecretName }}
+TANDEM_TLS_CLIENT_CA: {{ printf "%s/client-ca/ca.crt" $dir | quote }}
+{{- end }}
+{{- end }}
+{{- if $internal }}
+TANDEM_TLS_INTERNAL_CERT: {{ printf "%s/internal/tls.crt" $dir | quote }}
+TANDEM_TLS_INTERNAL_KEY: {{ printf "%s/internal/tls.key" $dir | quote }}
+{{- end }}
+{{- else if $internal }}
+TANDEM_TLS_CERT: {{ printf "%s/internal/tls.crt" $dir | quote }}
+TANDEM_TLS_KEY: {{ printf "%s/internal/tls.key" $dir | quote }}
+{{- end }}
+{{- if $internal }}
+TANDEM_TLS_CA: {{ printf "%s/internal/ca.crt" $dir | quote }}
+{{- with $t.internal.serverName }}
+TANDEM_TLS_SERVER_NAME: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if include "tandem.tls.server" . }}
+TANDEM_HEALTH_PORT: {{ $t.healthPort | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The port the gRPC probes use: the plaintext health port when the gRPC port serves TLS.
+     (dict "root" $ "component" .. "port" 50051) */}}
+{{- define "tandem.probePort" -}}
+{{- if include "tandem.tls.server" . -}}{{ .root.Values.tls.healthPort }}{{- else -}}{{ .port }}{{- end -}}
+{{- end -}}
+
+{{/* Secret volumes of a component's certificates (key files readable by the pod's group only). */}}
+{{- define "tandem.tls.volumes" -}}
+{{- $t := .root.Values.tls -}}
+{{- $internal := include "tandem.tls.internalSecret" . -}}
+{{- if and (eq .component "gateway") $t.public.secretName }}
+- name: tls-public
+  secret:
+    secretName: {{ $t.public.secretName }}
+    defaultMode: 288 # 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- if $t.public.clientCASecretName }}
+- name: tls-client-ca
+  secret:
+    secretName: {{ $t.public.clientCASecretName }}
+    defaultMode: 288
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end }}
+{{- if $internal }}
+- name: tls-internal
+  secret:
+    secretName: {{ $internal }}
+    defaultMode: 288
+    items:
+      - key: ca.crt
+        path: ca.crt
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.tls.mounts" -}}
+{{- $dir := include "tandem.tls.dir" . -}}
+{{- $t := .root.Values.tls -}}
+{{- if and (eq .component "gateway") $t.public.secretName }}
+- name: tls-public
+  mountPath: {{ $dir }}/public
+  readOnly: true
+{{- if $t.public.clientCASecretName }}
+- name: tls-client-ca
+  mountPath: {{ $dir }}/client-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if include "tandem.tls.internalSecret" . }}
+- name: tls-internal
+  mountPath: {{ $dir }}/internal
+  readOnly: true
 {{- end }}
 {{- end -}}
 
@@ -454,5 +578,22 @@ prometheus.io/path: /metrics
 {{- end -}}
 {{- if lt (int .Values.decode.replicas) 1 -}}
 {{- fail "decode.replicas must be >= 1" -}}
+{{- end -}}
+{{- if and .Values.tls.public.clientCASecretName (not .Values.tls.public.secretName) -}}
+{{- fail "tls.public.clientCASecretName needs tls.public.secretName: client certificates are asked for over TLS" -}}
+{{- end -}}
+{{- $root := . -}}
+{{- $components := include "tandem.configuredComponents" . | fromJsonArray -}}
+{{- $withMtls := list -}}
+{{- $without := list -}}
+{{- range $components -}}
+{{- if include "tandem.tls.internalSecret" (dict "root" $root "component" .) -}}
+{{- $withMtls = append $withMtls . -}}
+{{- else -}}
+{{- $without = append $without . -}}
+{{- end -}}
+{{- end -}}
+{{- if and $withMtls $without -}}
+{{- fail (printf "mutual TLS for %s only: every component needs a certificate (tls.internal.secretName, or tls.internal.componentSecrets for %s)" (join ", " $withMtls) (join ", " $without)) -}}
 {{- end -}}
 {{- end -}}

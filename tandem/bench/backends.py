@@ -90,7 +90,7 @@ class OpenAIBackend:
 
     The output length is forced with ``max_tokens`` = ``min_tokens`` and ``ignore_eos``: servers
     ignore the fields they do not know (llama-cpp-python honours ``min_tokens``, vLLM both).
-    Every streamed chunk with text counts as one token, which is how these servers stream;
+    Every streamed chunk counts as one token, which is how these servers stream;
     ``extra_body`` adds or overrides request fields.
     """
 
@@ -143,7 +143,7 @@ class OpenAIBackend:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if (choices := event.get("choices")) and chunk_text(choices[0]):
+                if (choices := event.get("choices")) and is_token(choices[0]):
                     record.token_times.append(time.perf_counter())
                 if usage := event.get("usage"):
                     record.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -152,6 +152,12 @@ class OpenAIBackend:
 
     async def close(self) -> None:
         pass
+
+
+def is_token(choice: dict) -> bool:
+    """A streamed chunk carries one generated token, even one whose text is empty (a special
+    token the server does not print); the closing chunk (a finish reason, no text) does not."""
+    return bool(chunk_text(choice)) or choice.get("finish_reason") is None
 
 
 def chunk_text(choice: dict) -> str:

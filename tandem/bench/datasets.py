@@ -1,7 +1,11 @@
 """Synthetic workloads for ``tandem bench serve``: what each request sends and how long it runs.
 
 Prompts are random token ids, so their length is exact on the gRPC backend (the gateway takes
-``token_ids``) and no natural-language corpus has to be shipped. Each request also forces its
+``token_ids``) and no natural-language corpus has to be shipped. By default they are drawn from
+the tokens that are plain lowercase words (`` ocean``, `` table``): a prompt of random words reads
+as text to a model, which then answers in words too. Fully random ids make models emit byte
+fragments that servers such as llama-cpp-python hold back until they form valid UTF-8, which
+bunches their streamed tokens and would spoil inter-token latencies. Each request also forces its
 output length (``ignore_eos`` with ``max_tokens``, or ``min_tokens`` on OpenAI servers), so that
 two systems run the same work whatever the model would have said.
 
@@ -18,10 +22,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 DATASETS = ("random", "shared-prefix", "conversation")
+WORD = re.compile(r" [a-z]{3,12}")
 # Token ids are drawn away from both ends of the vocabulary, where the special tokens live.
 ID_MARGIN = 100
 
@@ -43,6 +49,8 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """Workload flags, shared by ``bench serve`` and ``bench compare``."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", choices=DATASETS)
+    g.add_argument("--prompt-tokens", default="words", choices=["words", "any"],
+                   help="words: prompts of random lowercase word tokens (default); any: any token id")
     g.add_argument("--num-prompts", type=int, default=100, help="measured requests per request rate")
     g.add_argument("--input-len", type=int, default=1024,
                    help="random: prompt tokens; conversation: the median prompt length")
@@ -71,8 +79,19 @@ def check_dataset_args(args: argparse.Namespace) -> None:
         raise ValueError("--sigma must be >= 0")
 
 
-def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+def random_ids(rng: random.Random, n: int, vocab: int | list[int]) -> list[int]:
+    """``n`` ids from ``range(ID_MARGIN, vocab - ID_MARGIN)``, or from a pool of ids."""
+    if isinstance(vocab, list):
+        return [rng.choice(vocab) for _ in range(n)]
     return [rng.randrange(ID_MARGIN, vocab - ID_MARGIN) for _ in range(n)]
+
+
+def word_ids(tokenizer_path: str) -> list[int]:
+    """The ids that decode to a space and one lowercase word of 3 to 12 letters."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    return [i for i in range(tok.get_vocab_size()) if WORD.fullmatch(tok.decode([i]))]
 
 
 def uniform_len(rng: random.Random, center: int, ratio: float) -> int:
@@ -110,9 +129,12 @@ BUILDERS: dict[str, Callable[[argparse.Namespace, int, int, random.Random], list
 }
 
 
-def build_dataset(args: argparse.Namespace, n: int, vocab: int, seed: int | str) -> list[BenchRequest]:
-    """``n`` requests of ``args.dataset``; the same seed gives the same requests."""
-    if vocab <= 2 * ID_MARGIN:
+def build_dataset(args: argparse.Namespace, n: int, vocab: int | list[int], seed: int | str) -> list[BenchRequest]:
+    """``n`` requests of ``args.dataset``; the same seed gives the same requests. ``vocab`` is the
+    vocabulary size, or the pool of ids to draw prompts from (``word_ids``)."""
+    if isinstance(vocab, list) and not vocab:
+        raise ValueError("no token of the vocabulary is a plain word: use --prompt-tokens any")
+    if isinstance(vocab, int) and vocab <= 2 * ID_MARGIN:
         raise ValueError(f"a vocabulary of {vocab} tokens is too small for random prompts")
     return BUILDERS[args.dataset](args, n, vocab, random.Random(seed))
 

@@ -27,7 +27,7 @@ from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from tandem.client import stream_generate
 
-VARIANTS = {"recompute": [], "pull": ["--push-generated-blocks"]}
+VARIANTS = {"recompute": ["--no-push-generated-blocks"], "pull": ["--push-generated-blocks"]}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tandem.bench.backends import Backend, GatewayBackend, OpenAIBackend
-from tandem.bench.datasets import BenchRequest, add_dataset_args, attach_text, build_dataset, check_dataset_args
+from tandem.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    attach_text,
+    build_dataset,
+    check_dataset_args,
+    word_ids,
+)
 from tandem.bench.metrics import RequestRecord, compute_metrics, parse_slo, record_to_json
 from tandem.bench.progress import Progress
 from tandem.bench.report import format_rate, format_report, markdown_table
@@ -175,8 +182,10 @@ async def warm_up(backend: Backend, requests: list[BenchRequest], max_concurrenc
 async def sweep(backend: Backend, args: argparse.Namespace, vocab: int, gateway: str | None = None,
                 title: str = "") -> list[RunResult]:
     """Warm up, then run every rate of ``--request-rate`` with its own seeded prompts."""
+    pool = word_ids(tokenizer_file(getattr(args, "tokenizer", None))) if args.prompt_tokens == "words" else vocab
+
     def dataset(n: int, tag: str) -> list[BenchRequest]:
-        requests = build_dataset(args, n, vocab, seed=f"{args.seed}-{tag}")
+        requests = build_dataset(args, n, pool, seed=f"{args.seed}-{tag}")
         if isinstance(backend, OpenAIBackend) and backend.prompt_format == "text":
             attach_text(requests, tokenizer_file(args.tokenizer))
         return requests

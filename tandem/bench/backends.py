@@ -24,7 +24,7 @@ from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from tandem.bench.datasets import BenchRequest
 from tandem.bench.metrics import RequestRecord
-from tandem.client import stream_generate
+from tandem.client import auth_metadata, stream_generate
 from tandem.service import channel
 
 MAX_ERROR_BODY = 300
@@ -45,16 +45,21 @@ class GatewayBackend:
 
     name = "tandem"
 
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
+    def __init__(self, address: str, timeout: float = 600.0, api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.metadata = auth_metadata(api_key)
         self.channel = channel(address)  # one HTTP/2 connection, one stream per request
 
     async def vocab_size(self) -> int:
         """The served model's vocabulary, so that a run needs no local copy of the model."""
         try:
-            reply = await gpb_grpc.GatewayStub(self.channel).ListModels(gpb.ListModelsRequest(), timeout=10)
+            reply = await gpb_grpc.GatewayStub(self.channel).ListModels(gpb.ListModelsRequest(), timeout=10,
+                                                                          metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ConnectionError(f"the gateway at {self.address} asks for an API key (UNAUTHENTICATED: "
+                                      f"{exc.details()}): pass --api-key or set TANDEM_API_KEY") from exc
             raise ConnectionError(f"no gateway answers at {self.address} ({exc.code().name}): start one with "
                                   "`tandem up`, or pass --gateway") from exc
         return reply.models[0].vocab_size
@@ -63,7 +68,7 @@ class GatewayBackend:
         sampling = cpb.SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
         msg = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=request.prompt_ids), sampling=sampling)
         try:
-            async for reply in stream_generate(self.channel, msg, timeout=self.timeout):
+            async for reply in stream_generate(self.channel, msg, timeout=self.timeout, metadata=self.metadata):
                 if reply.token_ids:
                     now = time.perf_counter()
                     record.token_times.extend([now] * len(reply.token_ids))
@@ -97,7 +102,7 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, url: str, model: str = "", extra_body: dict | None = None, timeout: float = 600.0,
-                 prompt_format: str = "text") -> None:
+                 prompt_format: str = "text", api_key: str | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--url {url!r}: expected http(s)://host:port/v1/completions")
@@ -112,6 +117,7 @@ class OpenAIBackend:
         self.extra_body = extra_body or {}
         self.timeout = timeout
         self.prompt_format = prompt_format
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def body(self, request: BenchRequest) -> dict:
         n = request.output_len
@@ -138,7 +144,8 @@ class OpenAIBackend:
 
     async def _stream(self, request: BenchRequest, record: RequestRecord) -> None:
         body = json.dumps(self.body(request)).encode()
-        async with contextlib.aclosing(post_sse(self.host, self.port, self.path, body, self.ssl)) as events:
+        async with contextlib.aclosing(post_sse(self.host, self.port, self.path, body, self.ssl,
+                                                    self.headers)) as events:
             async for data in events:
                 if data == "[DONE]":
                     break
@@ -165,13 +172,14 @@ def chunk_text(choice: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def post_sse(host: str, port: int, path: str, body: bytes,
-                   ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+async def post_sse(host: str, port: int, path: str, body: bytes, ssl_context: ssl.SSLContext | None = None,
+                   headers: dict[str, str] | None = None) -> AsyncIterator[str]:
     """POST ``body`` (JSON) and yield the ``data:`` payloads of the server-sent event stream."""
     reader, writer = await asyncio.open_connection(host, port, ssl=ssl_context)
     try:
         head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()) + "\r\n")
         writer.write(head.encode() + body)
         await writer.drain()
         status, headers = await read_head(reader)

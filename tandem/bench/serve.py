@@ -79,6 +79,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="openai: send the prompt as text, or as token ids (vLLM, llama.cpp's llama-server)")
     p.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON",
                    help='openai: fields added to every request, e.g. \'{"repeat_penalty": 1.0}\'')
+    p.add_argument("--api-key", default=env_default("--api-key", None, str),
+                   help="an API key, for a gateway started with --api-keys-file (or an OpenAI server that asks "
+                        "for one), sent as `authorization: Bearer`; env TANDEM_API_KEY")
     add_load_args(p)
     add_dataset_args(p)
 
@@ -140,7 +143,7 @@ async def run_load(backend: Backend, requests: list[BenchRequest], load: Load, *
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     records = [RequestRecord(send=0.0, prompt_len=r.prompt_len, expected_output=r.output_len) for r in requests]
     inflight = 0
-    poller = StatsPoller(lambda: inflight, gateway, stats_interval)
+    poller = StatsPoller(lambda: inflight, gateway, stats_interval, getattr(backend, "metadata", None))
     await poller.discover()
 
     async def one(i: int) -> None:
@@ -241,8 +244,9 @@ def write_outputs(args: argparse.Namespace, results: list[RunResult], stem: str,
 
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "openai":
-        return OpenAIBackend(args.url, args.served_model, args.extra_body, args.timeout, args.prompt_format)
-    return GatewayBackend(args.gateway, args.timeout)
+        return OpenAIBackend(args.url, args.served_model, args.extra_body, args.timeout, args.prompt_format,
+                             args.api_key)
+    return GatewayBackend(args.gateway, args.timeout, args.api_key)
 
 
 async def _serve(args: argparse.Namespace) -> list[RunResult]:

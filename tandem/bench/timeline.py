@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,8 +30,10 @@ class TimelineSample:
 class StatsPoller:
     """Samples the client's in-flight count and, given a gateway address, every worker's queues."""
 
-    def __init__(self, inflight: Callable[[], int], gateway: str | None = None, interval: float = 0.5) -> None:
+    def __init__(self, inflight: Callable[[], int], gateway: str | None = None, interval: float = 0.5,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> None:
         self.inflight = inflight
+        self.metadata = metadata  # the gateway's API key, when it asks for one
         self.gateway = gateway
         self.interval = interval
         self.samples: list[TimelineSample] = []
@@ -45,7 +47,8 @@ class StatsPoller:
         gw = channel(self.gateway)
         self._channels.append(gw)
         try:
-            stats = await gpb_grpc.GatewayStub(gw).Stats(gpb.GatewayStatsRequest(), timeout=5)
+            stats = await gpb_grpc.GatewayStub(gw).Stats(gpb.GatewayStatsRequest(), timeout=5,
+                                                                  metadata=self.metadata)
         except grpc.aio.AioRpcError:
             return []
         for w in stats.workers:

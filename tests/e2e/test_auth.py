@@ -173,3 +173,19 @@ def test_a_changed_keys_file_applies_without_a_restart(cluster):
     while (r := call(c.gateway.address, token_request(PROMPT[:8], 1), bearer(LATE_KEY))).code != grpc.StatusCode.OK:
         assert r.code == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() < deadline
         time.sleep(0.3)
+
+
+def test_bench_serve_sends_the_key(cluster, tmp_path: Path):
+    c, _ = cluster
+    cmd = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--gateway", c.gateway.address, "--num-prompts", "2",
+           "--input-len", "16", "--output-len", "2", "--num-warmups", "0", "--no-plots", "--no-progress",
+           "--output-dir", str(tmp_path), "--label", "auth"]
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
+    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr + refused.stdout
+    ok = subprocess.run([*cmd, "--api-key", KEYS["beta"]], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                        env=env)
+    assert ok.returncode == 0, ok.stderr
+    (result,) = tmp_path.glob("serve-auth-*.json")
+    (run,) = json.loads(result.read_text())["runs"]
+    assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 0)

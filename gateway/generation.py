@@ -193,8 +193,8 @@ class Generation:
                 self.core.metrics.prefill_retries.inc()
                 self.record.root.add_event("prefill retried", {"tandem.worker": worker.address,
                                                                "reason": last.details() if last else ""})
-            call = worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
-                                       metadata=self.record.metadata())
+            call = worker.track(worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
+                                                    metadata=self.record.metadata()))
             worker.inflight += 1
             worker.pending_prompt_tokens += new_tokens
             try:
@@ -263,8 +263,8 @@ class Generation:
             worker, new_tokens = picked
             if prefills and "routed" not in self.clock.marks:
                 self._routed(worker, new_tokens)
-            call = worker.stub.Decode(self._decode_request(rid, outputs, handoff), timeout=self.timeout(),
-                                      metadata=self.record.metadata())
+            call = worker.track(worker.stub.Decode(self._decode_request(rid, outputs, handoff),
+                                                   timeout=self.timeout(), metadata=self.record.metadata()))
             worker.inflight += 1
             worker.pending_prompt_tokens += new_tokens
             received, reason = 0, None

@@ -25,7 +25,7 @@ from gateway.generation import Clock, Generation, GenerationError, Output, Plan,
 from gateway.observe import RequestRecord
 from gateway.stop_strings import StopMatcher
 from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_length, validate
-from gateway.workers import WorkerPool
+from gateway.workers import Resolver, WorkerPool, parse_dns, resolve_dns
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from protos import kvstore_pb2 as kpb
@@ -54,11 +54,12 @@ SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 class Gateway(gpb_grpc.GatewayServicer):
-    def __init__(self, args: argparse.Namespace, metrics: RequestMetrics | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, metrics: RequestMetrics | None = None,
+                 resolver: Resolver = resolve_dns) -> None:
         self.mode = args.mode
         self.aggregated = args.mode == "aggregated"
         self.pool = WorkerPool([] if self.aggregated else _split(args.prefill_workers), _split(args.decode_workers),
-                               args.probe_interval_s)
+                               args.probe_interval_s, args.discovery_interval_s, resolver)
         self.tokenizer = tpb_grpc.TokenizerStub(channel(args.tokenizer))
         self.kvstore = None if self.aggregated else kpb_grpc.KVStoreStub(channel(args.kvstore))
         self.max_inflight = args.max_inflight
@@ -363,9 +364,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=env_default("--mode", "disaggregated"), choices=MODES)
     p.add_argument("--tokenizer", default=env_default("--tokenizer", None, str), help="tokenizer_svc address")
     p.add_argument("--prefill-workers", default=env_default("--prefill-workers", "", str),
-                   help="comma-separated prefill worker addresses (disaggregated mode)")
+                   help="comma-separated prefill worker addresses (disaggregated mode): host:port, or "
+                        "dns:///HOST:PORT for every address HOST resolves to (e.g. a Kubernetes headless Service), "
+                        "resolved again every --discovery-interval-s")
     p.add_argument("--decode-workers", default=env_default("--decode-workers", "", str),
-                   help="comma-separated decode worker addresses")
+                   help="comma-separated decode worker addresses: host:port or dns:///HOST:PORT (see "
+                        "--prefill-workers)")
+    p.add_argument("--discovery-interval-s", type=float, default=env_default("--discovery-interval-s", 5.0),
+                   help="how often dns:/// worker entries are resolved again: new addresses are health-checked "
+                        "and then routed to, addresses gone get no new requests (their streams finish)")
     p.add_argument("--kvstore", default=env_default("--kvstore", None, str),
                    help="a kvstore node's gRPC address, for prefix lookups (disaggregated mode)")
     p.add_argument("--max-inflight", type=int, default=env_default("--max-inflight", 1024),
@@ -393,6 +400,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("tandem serve gateway: --tokenizer is required")
     if not _split(args.decode_workers):
         raise SystemExit("tandem serve gateway: give at least one --decode-workers address")
+    for entry in _split(args.decode_workers) + _split(args.prefill_workers):
+        try:
+            parse_dns(entry)
+        except ValueError as exc:
+            raise SystemExit(f"tandem serve gateway: {exc}") from exc
+    if args.discovery_interval_s <= 0:
+        raise SystemExit("tandem serve gateway: --discovery-interval-s must be > 0")
     if args.mode == "disaggregated" and not (_split(args.prefill_workers) and args.kvstore):
         raise SystemExit("tandem serve gateway: disaggregated mode needs --prefill-workers and --kvstore")
     if args.api_keys_file:
@@ -408,6 +422,7 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
     name = gpb.DESCRIPTOR.services_by_name["Gateway"].full_name
     server = await start_server([Service(name, add_gateway_servicer, gateway)], args.host,
                                 args.port, tls, max_receive_bytes=args.max_request_bytes)
+    await gateway.pool.discover()
     await gateway.pool.probe_all()
     serving = None
 

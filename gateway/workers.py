@@ -6,15 +6,26 @@ worker the tokens that neither its own prefix cache (tracked here from the
 prompts it served, an LRU as large as its KV pool) nor the kvstore (the
 gateway's Lookup) already holds. A worker that fails a call is taken out of
 routing at once and comes back when its health check answers SERVING.
+
+Which workers there are: each entry of ``--prefill-workers`` / ``--decode-workers``
+is a static ``host:port``, or ``dns:///HOST:PORT`` (gRPC's target syntax), which
+stands for every address HOST resolves to (a Kubernetes headless Service: one A
+record per worker pod), resolved again every ``--discovery-interval-s``. A new
+address gets a client that is health-checked like the others before it gets
+traffic; an address gone from DNS gets no new requests, and its channel is
+closed once the calls still open on it have ended. A failed resolution keeps
+the last known addresses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import socket
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,11 +34,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from tandem.service import channel
+from tandem.tls import ClientTLS, internal_client
 
 log = logging.getLogger("tandem.gateway.workers")
 
 DECODE_STREAM_COST = 32  # prompt tokens a running stream is worth when one worker does both phases
 PROBE_TIMEOUT_S = 2.0
+DNS_PREFIX = "dns:///"
+
+# host, port -> the addresses it stands for now, as "ip:port"; raises OSError when it cannot say
+Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 class PrefixAffinity:
@@ -54,22 +70,70 @@ class PrefixAffinity:
             self._keys.popitem(last=False)
 
 
+@dataclass(frozen=True, slots=True)
+class DnsTarget:
+    """A ``dns:///HOST:PORT`` entry: every address HOST resolves to, each on PORT."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return DNS_PREFIX + join_host_port(self.host, self.port)
+
+
+def parse_dns(entry: str) -> DnsTarget | None:
+    """The target of a ``dns:///HOST:PORT`` entry; None for a static ``host:port``. ValueError for a dns
+    entry that names a DNS server (``dns://SERVER/...``: the system's resolver is the one used) or no port."""
+    if not entry.startswith("dns:"):
+        return None
+    if not entry.startswith(DNS_PREFIX):
+        raise ValueError(f"{entry!r}: write dns:///HOST:PORT (three slashes; the system's resolver is used)")
+    host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{entry!r}: write dns:///HOST:PORT, with the workers' port")
+    return DnsTarget(host, int(port))
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC reads it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def resolve_dns(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (A and AAAA records), as ``ip:port``. The system's resolver runs in
+    the loop's executor (``loop.getaddrinfo``): a slow DNS server never stalls the streams."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({join_host_port(info[4][0], port) for info in infos})
+
+
+def tls_checking(name: str | None) -> ClientTLS | None:
+    """This process's channel TLS, checking ``name`` in the server's certificate: a worker found through DNS is
+    dialled by IP, and its certificate names the DNS name it was found under (``--tls-server-name`` wins)."""
+    tls = internal_client()
+    if tls is None or name is None or tls.server_name:
+        return tls
+    return dataclasses.replace(tls, server_name=name)
+
+
 @dataclass(eq=False)
 class WorkerClient:
     address: str
     kind: str  # "prefill" or "decode" (decode workers prefill too in aggregated mode)
+    server_name: str | None = None  # the DNS name it was found under (its certificate's name under TLS)
     channel: grpc.aio.Channel = field(init=False)
     stub: wpb_grpc.WorkerStub = field(init=False)
     health: health_pb2_grpc.HealthStub = field(init=False)
     info: wpb.WorkerInfoResponse | None = None
     healthy: bool = False
-    inflight: int = 0  # this gateway's calls on it now
+    inflight: int = 0  # this gateway's calls on it now, for routing (a prefill counts until its first token)
+    open_calls: int = 0  # calls open on its channel (a prefill until its handoff is read): see ``track``
     pending_prompt_tokens: int = 0  # prompt tokens of those calls still to compute
     polled: wpb.WorkerStatsResponse | None = None
     affinity: PrefixAffinity = field(default_factory=lambda: PrefixAffinity(1))
 
     def __post_init__(self) -> None:
-        self.channel = channel(self.address)
+        self.channel = channel(self.address, tls_checking(self.server_name))
         self.stub = wpb_grpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -96,6 +160,16 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             self._set_healthy(False, exc.code().name)
 
+    def track(self, call: grpc.aio.Call) -> grpc.aio.Call:
+        """``call``, counted in ``open_calls`` until it ends however it ends: the channel of a worker gone from
+        DNS is closed only when none is open, so that streams in flight on it finish."""
+        self.open_calls += 1
+        call.add_done_callback(self._call_done)
+        return call
+
+    def _call_done(self, call: grpc.aio.Call) -> None:
+        self.open_calls -= 1
+
     def mark_down(self, reason: str) -> None:
         self._set_healthy(False, reason)
 
@@ -108,33 +182,146 @@ class WorkerClient:
         self.healthy = healthy
 
 
+class Membership:
+    """The addresses of one kind of worker: its static entries, and what each dns entry resolved to last."""
+
+    def __init__(self, kind: str, entries: Sequence[str]) -> None:
+        self.kind = kind
+        self.static = [e for e in entries if parse_dns(e) is None]
+        self.targets = list(dict.fromkeys(t for e in entries if (t := parse_dns(e)) is not None))
+        self.answers: dict[DnsTarget, list[str]] = {}
+        self.problems: dict[DnsTarget, str] = {}  # the failure last warned about, per target
+
+    def addresses(self) -> dict[str, str | None]:
+        """Each address once (static entries first), with the DNS name it was found under (None: static)."""
+        found: dict[str, str | None] = dict.fromkeys(self.static)
+        for t in self.targets:
+            for a in self.answers.get(t, []):
+                found.setdefault(a, t.host)
+        return found
+
+    async def resolve(self, resolver: Resolver) -> None:
+        await asyncio.gather(*(self._resolve(t, resolver) for t in self.targets))
+
+    async def _resolve(self, target: DnsTarget, resolver: Resolver) -> None:
+        """A new answer replaces the last; a failed or empty one keeps it (NXDOMAIN while scaled to zero, DNS
+        down: the workers it named are still probed, so dead ones take no traffic), with one warning per change."""
+        try:
+            found = sorted(set(await resolver(target.host, target.port)))
+        except (OSError, UnicodeError) as exc:
+            found, reason = [], str(exc) or type(exc).__name__
+        else:
+            reason = "no addresses"
+        if not found:
+            self._failed(target, reason)
+            return
+        if self.problems.pop(target, None) is not None:
+            log.info("%s workers %s resolve again", self.kind, target)
+        if found != self.answers.get(target):
+            log.info("%s workers %s: %s", self.kind, target, ", ".join(found))
+        self.answers[target] = found
+
+    def _failed(self, target: DnsTarget, reason: str) -> None:
+        if self.problems.get(target) != reason:
+            kept = len(self.answers.get(target, []))
+            log.warning("%s workers %s do not resolve (%s): keeping the %d addresses known", self.kind, target,
+                        reason, kept)
+        self.problems[target] = reason
+
+
 class WorkerPool:
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], probe_interval_s: float = 1.0) -> None:
-        self.prefill = [WorkerClient(a, "prefill") for a in prefill]
-        self.decode = [WorkerClient(a, "decode") for a in decode]
+    """The workers of both kinds. ``prefill`` and ``decode`` are the routable ones now (lists replaced, never
+    changed in place, when DNS answers change); ``resolver`` looks up the ``dns:///`` entries."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], probe_interval_s: float = 1.0,
+                 discovery_interval_s: float = 5.0, resolver: Resolver = resolve_dns) -> None:
+        self.members = {"prefill": Membership("prefill", prefill), "decode": Membership("decode", decode)}
+        self.prefill = [WorkerClient(a, "prefill") for a in self.members["prefill"].static]
+        self.decode = [WorkerClient(a, "decode") for a in self.members["decode"].static]
+        self.retired: list[WorkerClient] = []  # gone from DNS, with calls still open on them
         self.probe_interval_s = probe_interval_s
+        self.discovery_interval_s = discovery_interval_s
+        self.resolver = resolver
         self._rr = itertools.count()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     @property
     def all(self) -> list[WorkerClient]:
         return self.prefill + self.decode
 
+    @property
+    def discovers(self) -> bool:
+        return any(m.targets for m in self.members.values())
+
     async def probe_all(self) -> None:
         await asyncio.gather(*(w.probe() for w in self.all))
 
+    async def discover(self) -> None:
+        """Resolve the dns entries once; new addresses are probed before they count as ready, addresses gone
+        get no new requests."""
+        for kind, members in self.members.items():
+            if not members.targets:
+                continue
+            await members.resolve(self.resolver)
+            added = self._sync(kind, members.addresses())
+            await asyncio.gather(*(w.probe() for w in added))
+        await self._close_idle()
+
+    def _sync(self, kind: str, addresses: dict[str, str | None]) -> list[WorkerClient]:
+        """Make the ``kind`` workers those of ``addresses``; the clients that are new."""
+        current = {w.address: w for w in getattr(self, kind)}
+        for address, w in current.items():
+            if address not in addresses:
+                log.info("%s worker %s is gone from DNS: no new requests (%d open)", kind, address, w.open_calls)
+                self.retired.append(w)
+        workers, added = [], []
+        for address, name in addresses.items():
+            w = current.get(address) or self._revive(kind, address)
+            if w is None:
+                w = WorkerClient(address, kind, name)
+                added.append(w)
+            workers.append(w)
+        setattr(self, kind, workers)
+        return added
+
+    def _revive(self, kind: str, address: str) -> WorkerClient | None:
+        """A retired client back in DNS before its channel closed (keeps its prefix affinity)."""
+        for w in self.retired:
+            if w.kind == kind and w.address == address:
+                self.retired.remove(w)
+                return w
+        return None
+
+    async def _close_idle(self) -> None:
+        """Close the channels of retired workers with nothing open on them any more."""
+        idle = [w for w in self.retired if w.open_calls == 0]
+        self.retired = [w for w in self.retired if w.open_calls > 0]
+        for w in idle:
+            await w.channel.close()
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._monitor())
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        if self.discovers:
+            self._tasks.append(asyncio.create_task(self._discovery()))
 
     async def _monitor(self) -> None:
         while True:
             await self.probe_all()
+            await self._close_idle()
             await asyncio.sleep(self.probe_interval_s)
 
+    async def _discovery(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery_interval_s)
+            try:
+                await self.discover()
+            except Exception:  # a resolver's surprise must not end discovery for the gateway's lifetime
+                log.exception("worker discovery failed; trying again in %.1f s", self.discovery_interval_s)
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for w in self.all:
+        for task in self._tasks:
+            task.cancel()
+        for w in self.all + self.retired:
             await w.channel.close()
 
     def any_info(self) -> wpb.WorkerInfoResponse | None:

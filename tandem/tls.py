@@ -10,7 +10,8 @@ Flags of every service (each also a ``TANDEM_*`` variable, e.g. ``TANDEM_TLS_CER
   service's certificate. No flags: plaintext, as before.
 - ``--tls-server-name``: the name checked in the servers' certificates instead of the host of the
   address dialled (``grpc.ssl_target_name_override``), for when services are reached by names their
-  certificates do not carry (per-pod DNS names of a StatefulSet against a certificate for the Service).
+  certificates do not carry. (A worker the gateway finds through ``dns:///HOST:PORT`` is dialled by IP and
+  checked against HOST unless this is given: ``gateway.workers.tls_checking``.)
 - ``--health-port``: with TLS on, a plaintext port that serves only ``grpc.health.v1.Health``
   (Kubernetes' gRPC probes cannot speak TLS). Default: a free port when TLS is on (announced on the
   READY line as ``health=``), off when it is not; -1: off.

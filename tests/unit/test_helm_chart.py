@@ -34,14 +34,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "otelCollector": {"enabled": False}, "metrics": {"enabled": False},
         "telemetry": {"otlpEndpoint": "http://otel-collector.observability.svc.cluster.local:4317"},
     },
-    "4-prefill-2-decode": {"prefill": {"replicas": 4}, "decode": {"replicas": 2}},
+    "4-prefill-2-decode": {"prefill": {"replicas": 4},
+                           "decode": {"replicas": 2, "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
     "aggregated": {"mode": "aggregated", "decode": {"replicas": 3}},
     "pvc-rdma-monitoring": {
         "model": {"storage": {"type": "pvc", "storageClassName": "shared-nfs"}, "download": {"enabled": False}},
         "rdma": {"enabled": True},
         "ucx": {"netDevices": "mlx5_0:1"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
-        "gateway": {"autoscaling": {"enabled": False}, "replicas": 3, "service": {"type": "LoadBalancer"}},
+        "gateway": {"autoscaling": {"enabled": False}, "replicas": 3, "service": {"type": "LoadBalancer"},
+                    "discoveryIntervalS": 2.5},
         "otelCollector": {"exporterEndpoint": "tempo.observability.svc.cluster.local:4317"},
         "image": {"registry": "ghcr.io/acme", "tag": "0.1.0-rc1"},
         "engine": {"dtype": "float16", "maxModelLen": 8192},
@@ -141,25 +143,24 @@ def selects(service: dict, w: dict) -> bool:
 
 
 def resolve(objects, address: str) -> tuple[dict, dict]:
-    """The (Service, workload) that serve ``host:port``, checking that the port reaches the container's port.
+    """The (Service, workload) that serve ``address``, checking that the port reaches the container's port.
 
-    host is <service>.<ns>.svc.cluster.local, or <pod>.<headless service>.<ns>.svc.cluster.local for a
-    StatefulSet pod (then the pod's ordinal must exist)."""
-    address = re.sub(r"^[a-z]+://", "", address).split("/")[0]
+    ``host:port`` (or a URL) names a ClusterIP Service, host <service>.<ns>.svc.cluster.local; ``dns:///host:port``
+    (the gateway's worker entries) a headless Service that publishes not-ready pods: the gateway resolves it to
+    every pod's IP and health-checks them itself."""
+    dns = address.startswith("dns:///")
+    address = address.removeprefix("dns:///") if dns else re.sub(r"^[a-z]+://", "", address).split("/")[0]
     host, port = address.rsplit(":", 1)
     assert host.endswith(SUFFIX), f"{address}: not a Service of the release's namespace"
-    labels = host[: -len(SUFFIX)].split(".")
+    name = host[: -len(SUFFIX)]
     services = by_name(objects, "Service")
-    assert labels[-1] in services, f"{address}: no Service {labels[-1]} is rendered"
-    service = services[labels[-1]]
+    assert name in services, f"{address}: no Service {name} is rendered"
+    service = services[name]
     [target] = [w for w in workloads(objects) if selects(service, w)]
-    if len(labels) == 2:
-        assert service["spec"].get("clusterIP") == "None", f"{address}: a pod name needs a headless Service"
-        assert target["kind"] == "StatefulSet" and target["spec"]["serviceName"] == labels[1]
-        pod, _, ordinal = labels[0].rpartition("-")
-        assert pod == target["metadata"]["name"] and int(ordinal) < target["spec"]["replicas"], address
-    else:
-        assert len(labels) == 1 and service["spec"].get("clusterIP") != "None", address
+    headless = service["spec"].get("clusterIP") == "None"
+    assert headless == dns, f"{address}: a dns:/// entry needs a headless Service, one address a ClusterIP"
+    if dns:
+        assert service["spec"]["publishNotReadyAddresses"] is True, f"{address}: loading pods must resolve"
     [svc_port] = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
     ports = {p["name"]: p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"]
              for p in c.get("ports", [])}
@@ -209,6 +210,8 @@ def test_values_schema_rejects_mistakes():
         ({"engine": {"kv_cache_gb": 4}}, "kv_cache_gb"),
         ({"prefill": {"gpu": {"count": -1}}}, "count"),
         ({"redis": {"enabled": False, "externalUrl": "redis-master:6379"}}, "externalUrl"),
+        ({"decode": {"rollingUpdate": {"maxSurge": "one"}}}, "maxSurge"),
+        ({"gateway": {"discoveryIntervalS": 0}}, "discoveryIntervalS"),
     ]:
         with pytest.raises(helm.HelmError, match=message):
             render(values)
@@ -219,6 +222,7 @@ def test_impossible_layouts_fail_with_an_explanation():
         ({"redis": {"enabled": False}, "kvstore": {"replicas": 2}}, "shared Redis index"),
         ({"decode": {"engine": {"dtype": "float32"}}}, "same engine dtype and blockSize"),
         ({"prefill": {"replicas": 0}}, "prefill.replicas"),
+        ({"prefill": {"rollingUpdate": {"maxSurge": 0}}}, "maxSurge and maxUnavailable cannot both be 0"),
     ]:
         with pytest.raises(helm.HelmError, match=message):
             render(values)
@@ -279,6 +283,7 @@ def test_addresses_match_the_rendered_services(rendered, name):
     aggregated = VALUE_SETS[name].get("mode") == "aggregated"
     gateway = env_of(objects, "gateway")
     given = {"tokenizer": [gateway["TANDEM_TOKENIZER"]], "decode": gateway["TANDEM_DECODE_WORKERS"].split(",")}
+    assert float(gateway["TANDEM_DISCOVERY_INTERVAL_S"]) > 0
     if aggregated:
         assert "TANDEM_PREFILL_WORKERS" not in gateway and "TANDEM_KVSTORE" not in gateway
         assert gateway["TANDEM_MODE"] == "aggregated"
@@ -289,14 +294,13 @@ def test_addresses_match_the_rendered_services(rendered, name):
         for worker in ("prefill", "decode"):
             given["kvstore"].append(env_of(objects, worker)["TANDEM_KVSTORE"])
     for comp, addresses in given.items():
-        targets = set()
         for address in addresses:
-            service, target = resolve(objects, address)
+            _, target = resolve(objects, address)
             assert component(target) == comp, address
             assert int(address.rsplit(":", 1)[1]) == int(env_of(objects, comp)["TANDEM_PORT"])
-            targets.add(address)
-        if comp in ("prefill", "decode"):  # one address per worker pod, each pod once
-            assert len(targets) == len(addresses) == workload(objects, comp)["spec"]["replicas"]
+        if comp in ("prefill", "decode"):  # one dns:/// entry: every pod of the worker Deployment, however many
+            assert addresses == [f"dns:///demo-tandem-{comp}{SUFFIX}:{env_of(objects, comp)['TANDEM_PORT']}"]
+            assert workload(objects, comp)["kind"] == "Deployment"
     if aggregated:
         assert "TANDEM_KVSTORE" not in env_of(objects, "decode")
     # Every tandem service binds all interfaces, except the kvstore: its --host is also the data-plane address
@@ -384,28 +388,31 @@ def test_nothing_runs_as_root(rendered, name):
         assert spec["enableServiceLinks"] is False, pod
 
 
-def test_workers_and_their_addresses_scale_independently(rendered):
+def test_workers_are_deployments_the_gateway_finds_by_dns(rendered):
     objects = rendered["4-prefill-2-decode"]
     gateway = env_of(objects, "gateway")
-    assert gateway["TANDEM_PREFILL_WORKERS"].split(",") == [
-        f"demo-tandem-prefill-{i}.demo-tandem-prefill{SUFFIX}:50061" for i in range(4)]
-    assert gateway["TANDEM_DECODE_WORKERS"].split(",") == [
-        f"demo-tandem-decode-{i}.demo-tandem-decode{SUFFIX}:50062" for i in range(2)]
+    assert gateway["TANDEM_PREFILL_WORKERS"] == f"dns:///demo-tandem-prefill{SUFFIX}:50061"
+    assert gateway["TANDEM_DECODE_WORKERS"] == f"dns:///demo-tandem-decode{SUFFIX}:50062"
+    assert gateway["TANDEM_DISCOVERY_INTERVAL_S"] == "5"
+    surge = {"prefill": {"maxSurge": 1, "maxUnavailable": 0}, "decode": {"maxSurge": 0, "maxUnavailable": 1}}
     for comp, replicas in (("prefill", 4), ("decode", 2)):
-        sts = workload(objects, comp)
-        assert sts["kind"] == "StatefulSet" and sts["spec"]["replicas"] == replicas
-        assert sts["spec"]["podManagementPolicy"] == "Parallel"
-        headless = by_name(objects, "Service")[sts["spec"]["serviceName"]]
-        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    # Only the gateway's configuration changes with the worker counts: the workers do not restart.
+        deployment = workload(objects, comp)
+        assert deployment["kind"] == "Deployment" and deployment["spec"]["replicas"] == replicas
+        assert deployment["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": surge[comp]}
+        service, target = resolve(objects, gateway[f"TANDEM_{comp.upper()}_WORKERS"])
+        assert target is deployment and service["spec"]["clusterIP"] == "None"
+    assert workload(objects, "kvstore")["kind"] == "StatefulSet"
+    # The worker counts are in no ConfigMap: scaling (helm upgrade or kubectl scale) restarts nothing.
     default = rendered["default"]
 
     def checksum(objs, comp):
         return workload(objs, comp)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
 
-    assert checksum(objects, "gateway") != checksum(default, "gateway")
-    for comp in ("tokenizer", "prefill", "decode", "kvstore"):
+    for comp in ("gateway", "tokenizer", "prefill", "decode", "kvstore"):
         assert checksum(objects, comp) == checksum(default, comp)
+    assert env_of(default, "gateway")["TANDEM_DECODE_WORKERS"] == gateway["TANDEM_DECODE_WORKERS"]
+    fast = env_of(rendered["pvc-rdma-monitoring"], "gateway")
+    assert fast["TANDEM_DISCOVERY_INTERVAL_S"] == "2.5"
 
 
 def test_gateway_autoscaling_and_disruption_budgets(rendered):

@@ -14,10 +14,11 @@ TANDEM_PORT: {{ .Values.gateway.port | quote }}
 TANDEM_MODE: {{ .Values.mode | quote }}
 TANDEM_TOKENIZER: {{ include "tandem.tokenizerAddress" . | quote }}
 {{- if include "tandem.disaggregated" . }}
-TANDEM_PREFILL_WORKERS: {{ include "tandem.workerAddresses" (dict "root" . "component" "prefill") | quote }}
+TANDEM_PREFILL_WORKERS: {{ include "tandem.workerTarget" (dict "root" . "component" "prefill") | quote }}
 TANDEM_KVSTORE: {{ include "tandem.kvstoreAddress" . | quote }}
 {{- end }}
-TANDEM_DECODE_WORKERS: {{ include "tandem.workerAddresses" (dict "root" . "component" "decode") | quote }}
+TANDEM_DECODE_WORKERS: {{ include "tandem.workerTarget" (dict "root" . "component" "decode") | quote }}
+TANDEM_DISCOVERY_INTERVAL_S: {{ include "tandem.scalar" .Values.gateway.discoveryIntervalS | quote }}
 TANDEM_MAX_INFLIGHT: {{ include "tandem.scalar" .Values.gateway.maxInflight | quote }}
 TANDEM_PROBE_INTERVAL_S: {{ include "tandem.scalar" .Values.gateway.probeIntervalS | quote }}
 TANDEM_MAX_PROMPT_TOKENS: {{ include "tandem.scalar" .Values.gateway.maxPromptTokens | quote }}

@@ -87,17 +87,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%v" (include "tandem.svcHost" (dict "root" . "name" $name)) .Values.kvstore.port -}}
 {{- end -}}
 
-{{/* One address per worker pod: <sts>-<i>.<headless svc>.<ns>.svc.<domain>:<port>, comma-separated.
-     (dict "root" $ "component" "prefill"|"decode") */}}
-{{- define "tandem.workerAddresses" -}}
+{{/* The gateway's entry for a kind of worker, dns:///<headless svc>.<ns>.svc.<domain>:<port>: the gateway resolves
+     it to every worker pod's IP, again every gateway.discoveryIntervalS. (dict "root" $ "component" "prefill"|"decode") */}}
+{{- define "tandem.workerTarget" -}}
 {{- $name := include "tandem.componentName" . -}}
 {{- $values := index .root.Values .component -}}
-{{- $host := include "tandem.svcHost" (dict "root" .root "name" $name) -}}
-{{- $addresses := list -}}
-{{- range $i := until (int $values.replicas) -}}
-{{- $addresses = append $addresses (printf "%s-%d.%s:%v" $name $i $host $values.port) -}}
-{{- end -}}
-{{- join "," $addresses -}}
+{{- printf "dns:///%s:%v" (include "tandem.svcHost" (dict "root" .root "name" $name)) $values.port -}}
 {{- end -}}
 
 {{- define "tandem.disaggregated" -}}
@@ -578,6 +573,12 @@ TANDEM_HEALTH_PORT: {{ $t.healthPort | quote }}
 {{- end -}}
 {{- if lt (int .Values.decode.replicas) 1 -}}
 {{- fail "decode.replicas must be >= 1" -}}
+{{- end -}}
+{{- range $component := list "prefill" "decode" -}}
+{{- $r := (index $.Values $component).rollingUpdate -}}
+{{- if and (eq (toString $r.maxSurge) "0") (eq (toString $r.maxUnavailable) "0") -}}
+{{- fail (printf "%s.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (a rollout could replace no pod)" $component) -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.tls.public.clientCASecretName (not .Values.tls.public.secretName) -}}
 {{- fail "tls.public.clientCASecretName needs tls.public.secretName: client certificates are asked for over TLS" -}}

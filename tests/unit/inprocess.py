@@ -1,35 +1,32 @@
-"""A gateway, the real tokenizer service and a fake aggregated worker, all in this process on port 0,
-served by one event loop on a background thread; tests call them through real channels.
-
-The fake worker answers ``Decode`` with one token and checks what a real engine would refuse, so a request
-the gateway lets through with parameters the engine rejects shows up as INTERNAL in the tests.
+"""A gateway and the real tokenizer service in this process on port 0, served by one event loop on a background
+thread, in front of real aggregated workers: ``decode_svc.server`` processes running the engine on the default
+model, started by the launcher (``tandem.launcher.Cluster``) once per test session and shared by the modules.
+Tests call them through real channels, and read the in-process gateway's state (``Stack.gateway_core``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.server import SERVICE_NAME, Gateway, add_args, add_gateway_servicer
-from protos import common_pb2 as cpb
-from protos import worker_pb2 as wpb
-from protos import worker_pb2_grpc as wpb_grpc
+from tandem.launcher import Cluster, ClusterConfig, ServiceProcess, ServiceSpec
 from tandem.metrics import RequestMetrics
-from tandem.pb_convert import sampling_from_pb
+from tandem.model_fetch import MODEL_NAME
 from tandem.service import RunningServer, Service, start_server
+from tests.e2e.pipeline import WORKER_ARGS
 from tokenizer_svc.server import build_service
 from tokenizer_svc.tokenizer import TextTokenizer
 
-FAKE_MODEL_LEN = 2048
-FAKE_TOKEN = 28  # what the fake worker generates
+# The workers' --max-model-len: short prompts and streams keep a request to a few engine steps.
+MODEL_LEN = 256
+MODEL = MODEL_NAME  # what the workers' Info calls the default model (its folder's name)
 
 
 class LoopThread:
@@ -48,61 +45,58 @@ class LoopThread:
         self.thread.join(10)
 
 
-class FakeWorker(wpb_grpc.WorkerServicer):
-    """An aggregated worker without an engine: one token per request, finished at once."""
+class RealWorkers:
+    """Aggregated workers as processes on loopback (``tandem serve decode`` without a kvstore), started when a
+    test first asks for them; ``close`` stops them. Start them from the main thread: children die with the
+    thread that forked them."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self.salts: list[str] = []  # the cache_salt of every Decode call, in order
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.cluster = Cluster(ClusterConfig(
+            mode="aggregated", num_decode=1, gateway_port=0, log_dir=log_dir, startup_timeout=240,
+            engine_args=["--model", str(model), *WORKER_ARGS, "--max-model-len", str(MODEL_LEN)]))
+        self.processes: list[ServiceProcess] = []
 
-    async def Info(self, request: wpb.WorkerInfoRequest, context) -> wpb.WorkerInfoResponse:
-        return wpb.WorkerInfoResponse(role="aggregated", model="fake", model_fingerprint=bytes(32), block_size=16,
-                                      max_model_len=FAKE_MODEL_LEN, vocab_size=self.vocab_size, dtype="float32",
-                                      num_kv_blocks=FAKE_MODEL_LEN // 16)
+    def addresses(self, n: int) -> list[str]:
+        """The gRPC addresses of ``n`` workers, starting the missing ones (together)."""
+        missing = n - len(self.processes)
+        if missing > 0:
+            argv = self.cluster.worker_specs(None)[0].argv
+            first = len(self.processes)
+            specs = [ServiceSpec(f"worker-{first + i}", "decode", list(argv)) for i in range(missing)]
+            self.processes += self.cluster.launch(specs)
+            self.cluster.wait_healthy(60)
+        dead = [p.name for p in self.processes[:n] if not p.alive]
+        assert not dead, f"workers exited: {dead}; see {self.cluster.log_dir}"
+        return [p.address for p in self.processes[:n]]
 
-    async def Stats(self, request: wpb.WorkerStatsRequest, context) -> wpb.WorkerStatsResponse:
-        return wpb.WorkerStatsResponse()
-
-    async def Decode(self, request: wpb.DecodeRequest, context):
-        self.salts.append(request.cache_salt)
-        try:  # what the engine would check at add_request
-            params = sampling_from_pb(request.sampling, 1)
-            assert request.prompt_token_ids and max(request.prompt_token_ids) < self.vocab_size
-            assert len(request.prompt_token_ids) + params.max_tokens <= FAKE_MODEL_LEN
-            floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-            assert all(math.isfinite(getattr(params, f)) for f in floats), "NaN or inf would poison the logits"
-        except (ValueError, AssertionError) as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"the gateway let through a request the engine "
-                                f"refuses: {exc!r}")
-        yield wpb.DecodeResponse(output=cpb.TokenOutput(token_ids=[FAKE_TOKEN]),
-                                 finish_reason=cpb.FINISH_REASON_LENGTH)
+    def close(self) -> None:
+        self.cluster.stop()
 
 
 class Stack:
-    """tokenizer_svc + fake worker + gateway; ``gateway`` is the address clients call."""
+    """tokenizer_svc + gateway in process, in front of the real worker at ``worker``; ``gateway`` is the
+    address clients call."""
 
-    def __init__(self, model: Path, gateway_args: list[str] | None = None) -> None:
+    def __init__(self, model: Path, worker: str, gateway_args: list[str] | None = None) -> None:
         self.loop = LoopThread()
         self.tokenizer = TextTokenizer(model)
-        self.worker = FakeWorker(self.tokenizer.vocab_size)
+        self.worker = worker
         self.servers: list[RunningServer] = []
         self.gateway_core: Gateway | None = None
         self.loop.run(self._start(gateway_args or []))
 
     async def _start(self, gateway_args: list[str]) -> None:
         tok = await start_server([build_service(self.tokenizer)], "127.0.0.1", 0)
-        worker = await start_server([Service("tandem.v1.Worker", wpb_grpc.add_WorkerServicer_to_server,
-                                             self.worker)], "127.0.0.1", 0)
         parser = argparse.ArgumentParser()
         add_args(parser)
         args = parser.parse_args(["--mode", "aggregated", "--tokenizer", f"127.0.0.1:{tok.port}",
-                                  "--decode-workers", f"127.0.0.1:{worker.port}", "--port", "0", *gateway_args])
+                                  "--decode-workers", self.worker, "--port", "0", *gateway_args])
         self.gateway_core = Gateway(args, RequestMetrics(CollectorRegistry()))
         gw = await start_server([Service(SERVICE_NAME, add_gateway_servicer, self.gateway_core)], "127.0.0.1", 0,
                                 max_receive_bytes=args.max_request_bytes)
         await self.gateway_core.pool.probe_all()
-        assert self.gateway_core.limits() is not None, "the fake worker is not ready"
-        self.servers = [gw, worker, tok]
+        assert self.gateway_core.limits() is not None, f"the worker at {self.worker} is not ready"
+        self.servers = [gw, tok]
         self.gateway = f"127.0.0.1:{gw.port}"
         self.tokenizer_address = f"127.0.0.1:{tok.port}"
 

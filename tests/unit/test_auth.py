@@ -1,6 +1,6 @@
 """API keys at the gateway: the keys file, authentication, per-key rate limits and streams, reloads, tenant
-cache salts, `tandem keys add`, and a real in-process gateway answering UNAUTHENTICATED / RESOURCE_EXHAUSTED
-without ever showing the key."""
+cache salts, `tandem keys add`, and a real in-process gateway (in front of a real aggregated worker) answering
+UNAUTHENTICATED / RESOURCE_EXHAUSTED without ever showing the key, and keeping tenants' prefix caches apart."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from gateway.server import add_args, check_args
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
 from tests.unit.inprocess import Stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,12 +226,12 @@ def test_tandem_keys_add_prints_the_key_once_and_stores_its_hash(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def keyed(default_model, tmp_path_factory) -> Iterator[tuple[Stack, Path]]:
+def keyed(default_model, aggregated_worker, tmp_path_factory) -> Iterator[tuple[Stack, Path]]:
     path = write(tmp_path_factory.mktemp("keys") / "keys.yaml",
                  entry("a", KEY_A), entry("b", KEY_B), entry("limited", KEY_C, requests_per_minute=3),
                  entry("shared-1", "tdm_shared-one-0123456789", share_cache=True),
                  entry("shared-2", "tdm_shared-two-0123456789", share_cache=True))
-    stack = Stack(default_model, ["--api-keys-file", str(path)])
+    stack = Stack(default_model, aggregated_worker, ["--api-keys-file", str(path)])
     yield stack, path
     stack.close()
 
@@ -293,23 +295,49 @@ def test_gateway_rate_limit_is_resource_exhausted(keyed):
     assert generate(stack.gateway, bearer(KEY_A))[0] == grpc.StatusCode.OK  # another key is not limited
 
 
+# Three full blocks and one token: a request that finds them in the worker's prefix cache computes one token.
+SALTED_PROMPT = list(range(1000, 1049))
+
+
+def cached_tokens(address: str, metadata, cache_salt: str, prompt: list[int]) -> int:
+    """Prompt tokens the worker found in its prefix cache for one request through the gateway."""
+    req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), cache_salt=cache_salt,
+                              sampling=cpb.SamplingParams(max_tokens=1))
+    with grpc.insecure_channel(address) as ch:
+        return list(gpb_grpc.GatewayStub(ch).Generate(req, metadata=metadata, timeout=10))[-1].usage.cached_tokens
+
+
+def cached_at_worker(worker: str, cache_salt: str, prompt: list[int]) -> int:
+    """The same, calling the worker itself with exactly ``cache_salt``."""
+    req = wpb.DecodeRequest(request_id=f"direct-{cache_salt or 'none'}-{prompt[0]}", prompt_token_ids=prompt,
+                            cache_salt=cache_salt, sampling=cpb.SamplingParams(max_tokens=1))
+    with grpc.insecure_channel(worker) as ch:
+        return list(wpb_grpc.WorkerStub(ch).Decode(req, timeout=10))[0].num_cached_tokens
+
+
 def test_tenants_never_share_cache_salts_unless_configured(keyed):
+    """Read in the worker's prefix cache: a request finds the blocks of an earlier one only under the same salt."""
     stack, _ = keyed
-    salts = stack.worker.salts
-    salts.clear()
-    for key in (KEY_A, KEY_B, KEY_A, "tdm_shared-one-0123456789", "tdm_shared-two-0123456789"):
-        assert generate(stack.gateway, bearer(key), cache_salt="same")[0] == grpc.StatusCode.OK
-    a, b, a_again, shared_1, shared_2 = salts
-    assert a != b and a == a_again and "same" in a  # the client's salt still applies within a tenant
-    assert shared_1 == shared_2 == "same"
+    hits = [cached_tokens(stack.gateway, bearer(key), salt, SALTED_PROMPT) for key, salt in (
+        (KEY_A, "same"),  # a's blocks, in a's namespace
+        (KEY_B, "same"),  # the same client salt in b's namespace: not a's blocks
+        (KEY_A, "same"),  # a's again
+        (KEY_A, "other"),  # the client's salt still applies within a tenant
+        ("tdm_shared-one-0123456789", "same"),  # shared keys: the client's salt alone, which is not a's
+        ("tdm_shared-two-0123456789", "same"),  # the first shared key's blocks
+    )]
+    assert hits == [0, 0, 48, 0, 0, 48], hits
+    assert cached_at_worker(stack.worker, "same", SALTED_PROMPT) == 48, "the shared keys' salt is the client's own"
     code, details = generate(stack.gateway, bearer(KEY_A), cache_salt="x\x00y")
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in details
 
 
-def test_no_keys_file_means_no_authentication(default_model):
-    stack = Stack(default_model)
+def test_no_keys_file_means_no_authentication(default_model, aggregated_worker):
+    stack = Stack(default_model, aggregated_worker)
     try:
         assert generate(stack.gateway, None) == (grpc.StatusCode.OK, "")
-        assert stack.worker.salts == [""]
+        prompt = [p + 100 for p in SALTED_PROMPT]
+        assert cached_tokens(stack.gateway, None, "", prompt) == 0
+        assert cached_at_worker(stack.worker, "", prompt) == 48, "no salt reached the worker"
     finally:
         stack.close()

@@ -2,9 +2,10 @@
 every rejection INVALID_ARGUMENT with a message.
 
 - ``validate`` + ``check_length`` on arbitrary GenerateRequests raise nothing but InvalidRequest;
-- the same requests, and random or corrupted bytes, through a real gateway (real tokenizer service, a fake
-  worker that refuses what the engine would refuse): OK or INVALID_ARGUMENT only, never INTERNAL or
-  UNKNOWN, never past the deadline;
+- the same requests, and random or corrupted bytes, through a real gateway (real tokenizer service, a real
+  aggregated worker running the engine on the default model): OK or INVALID_ARGUMENT only, never INTERNAL or
+  UNKNOWN, never past the deadline; and INVALID_ARGUMENT only from the gateway (or the tokenizer), never
+  passed on from the worker: a request the gateway lets through and the engine refuses fails the test;
 - the tokenizer service over gRPC: arbitrary text and chats, arbitrary Detokenize id streams: OK or
   INVALID_ARGUMENT, and the deltas of valid ids concatenate to the whole decode;
 - the atheris harness (tests/fuzz/fuzz_inputs.py, coverage-guided) for a bounded number of runs.
@@ -24,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.validation import CHAT_ROLES, MAX_STOP_STRINGS, InvalidRequest, ModelLimits, check_length, validate
@@ -33,12 +34,13 @@ from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from protos import tokenizer_pb2 as tpb
 from protos import tokenizer_pb2_grpc as tpb_grpc
-from tests.unit.inprocess import FAKE_MODEL_LEN, Stack
+from tests.e2e.pipeline import gateway_stats, wait_until, worker_stats
+from tests.unit.inprocess import MODEL, MODEL_LEN, Stack
 from tokenizer_svc.tokenizer import IncrementalDetokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152  # SmolLM2's
-LIMITS = ModelLimits(model="fake", vocab_size=VOCAB, max_model_len=FAKE_MODEL_LEN, max_request_tokens=FAKE_MODEL_LEN)
+LIMITS = ModelLimits(model=MODEL, vocab_size=VOCAB, max_model_len=MODEL_LEN, max_request_tokens=MODEL_LEN)
 CALL_TIMEOUT_S = 10.0
 GRPC = settings(max_examples=120, deadline=None, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -107,7 +109,7 @@ def generate_requests(draw) -> gpb.GenerateRequest:
     req = gpb.GenerateRequest(
         request_id=draw(mostly(st.one_of(st.just(""), st.from_regex(r"[A-Za-z0-9._:-]{1,130}", fullmatch=True)),
                                text)),
-        model=draw(mostly(st.sampled_from(["", "fake"]), text)),
+        model=draw(mostly(st.sampled_from(["", MODEL]), text)),
         sampling=draw(sampling()),
         stop=draw(st.lists(mostly(some_text, text), max_size=draw(mostly(st.just(2), st.just(MAX_STOP_STRINGS + 2))))),
         include_stop_str_in_output=draw(st.booleans()),
@@ -123,7 +125,7 @@ def generate_requests(draw) -> gpb.GenerateRequest:
         req.chat.CopyFrom(draw(chat_messages()))
     elif kind == "token_ids":
         req.token_ids.SetInParent()
-        size = draw(mostly(st.just(40), st.just(FAKE_MODEL_LEN + 1)))
+        size = draw(mostly(st.just(40), st.just(MODEL_LEN + 1)))
         req.token_ids.ids.extend(draw(st.lists(mostly(st.integers(0, VOCAB - 1), u32), min_size=draw(mostly(
             st.just(1), st.just(0))), max_size=size)))
     return req
@@ -144,7 +146,7 @@ def corrupted(draw) -> bytes:
 
 
 @PURE
-@given(generate_requests(), st.integers(0, FAKE_MODEL_LEN + 10))
+@given(generate_requests(), st.integers(0, MODEL_LEN + 10))
 def test_validation_raises_only_invalid_request(req, prompt_len):
     try:
         valid = validate(req, LIMITS)
@@ -154,7 +156,7 @@ def test_validation_raises_only_invalid_request(req, prompt_len):
         return
     p = valid.params  # what passed is what the engine accepts and the model fits
     assert all(math.isfinite(getattr(p, f)) for f in ("temperature", "top_p", "min_p", "repetition_penalty"))
-    assert 1 <= prompt_len and prompt_len + p.max_tokens <= FAKE_MODEL_LEN
+    assert 1 <= prompt_len and prompt_len + p.max_tokens <= MODEL_LEN
     assert len(valid.stop) <= MAX_STOP_STRINGS and "\n" not in valid.request_id
 
 
@@ -190,8 +192,8 @@ def test_random_bytes_parse_or_raise_decode_error(data):
 
 
 @pytest.fixture(scope="module")
-def stack(default_model) -> Iterator[Stack]:
-    s = Stack(default_model)
+def stack(default_model, aggregated_worker) -> Iterator[Stack]:
+    s = Stack(default_model, aggregated_worker)
     yield s
     s.close()
 
@@ -203,35 +205,55 @@ def gateway(stack) -> Iterator[grpc.Channel]:
 
 
 ALLOWED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
+# A stream the engine took is cut (cancelled) after this many messages: the engine checks a request when it
+# admits it, before its first token, and an unset max_tokens means the rest of the model length.
+CUT_AFTER = 2
 
 
-def outcome(responses) -> tuple[grpc.StatusCode, str, list]:
+def outcome(responses, cut_after: int | None = None) -> tuple[grpc.StatusCode, str, list]:
+    """The call's status (OK for a stream cut after ``cut_after`` messages), its details and its messages."""
     messages = []
     try:
         for m in responses:
-            messages.append(m)
+            messages.append(gpb.GenerateResponse.FromString(m) if isinstance(m, bytes) else m)
+            if cut_after is not None and len(messages) >= cut_after and not messages[-1].finish_reason:
+                responses.cancel()
+                return grpc.StatusCode.OK, "cut", messages
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or "", messages
     return grpc.StatusCode.OK, "", messages
 
 
-@GRPC
-@given(generate_requests())
-def test_gateway_answers_any_request_with_ok_or_invalid_argument(gateway, req):
-    code, details, messages = outcome(gpb_grpc.GatewayStub(gateway).Generate(req, timeout=CALL_TIMEOUT_S))
+def check_answer(code: grpc.StatusCode, details: str, messages: list) -> None:
     assert code in ALLOWED, f"{code.name}: {details}"
     if code == grpc.StatusCode.OK:
-        assert messages and messages[-1].finish_reason != cpb.FINISH_REASON_UNSPECIFIED
+        assert messages and (details == "cut" or messages[-1].finish_reason != cpb.FINISH_REASON_UNSPECIFIED)
     else:
         assert details and not messages
+        assert not details.startswith(("decode worker", "prefill worker")), \
+            f"the gateway let through a request the engine refuses: {details}"
+
+
+def ids_request(ids: list[int], max_tokens: int) -> gpb.GenerateRequest:
+    return gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), sampling=cpb.SamplingParams(max_tokens=max_tokens))
+
+
+@GRPC
+@given(generate_requests())
+@example(ids_request([1, VOCAB - 1], 1))  # at the engine's limits, and just past them: the gateway refuses
+@example(ids_request([1, VOCAB], 1))  # these itself, the engine would
+@example(ids_request([1] * (MODEL_LEN - 9), 9))
+@example(ids_request([1] * (MODEL_LEN - 9), 10))
+@example(ids_request([1] * MODEL_LEN, 1))
+def test_gateway_answers_any_request_with_ok_or_invalid_argument(gateway, req):
+    check_answer(*outcome(gpb_grpc.GatewayStub(gateway).Generate(req, timeout=CALL_TIMEOUT_S), CUT_AFTER))
 
 
 @GRPC
 @given(st.one_of(st.binary(max_size=256), corrupted()))
 def test_gateway_answers_any_bytes_with_ok_or_invalid_argument(gateway, data):
     raw = gateway.unary_stream("/tandem.v1.Gateway/Generate")  # no serializers: the bytes as they are
-    code, details, _ = outcome(raw(data, timeout=CALL_TIMEOUT_S))
-    assert code in ALLOWED, f"{code.name}: {details}"
+    check_answer(*outcome(raw(data, timeout=CALL_TIMEOUT_S), CUT_AFTER))
     for method in ("ListModels", "Stats"):
         try:
             gateway.unary_unary(f"/tandem.v1.Gateway/{method}")(data, timeout=CALL_TIMEOUT_S)
@@ -240,11 +262,15 @@ def test_gateway_answers_any_bytes_with_ok_or_invalid_argument(gateway, data):
 
 
 def test_gateway_still_serves_after_the_fuzzing(gateway, stack):
-    code, _, messages = outcome(gpb_grpc.GatewayStub(gateway).Generate(
-        gpb.GenerateRequest(prompt="Hello", sampling=cpb.SamplingParams(max_tokens=4)), timeout=CALL_TIMEOUT_S))
-    assert code == grpc.StatusCode.OK and messages[-1].usage.completion_tokens == 1
-    stats = gpb_grpc.GatewayStub(gateway).Stats(gpb.GatewayStatsRequest(), timeout=CALL_TIMEOUT_S)
-    assert stats.inflight == 0 and not {"INTERNAL", "UNKNOWN"} & set(stats.finished_by_code)
+    code, _, messages = outcome(gpb_grpc.GatewayStub(gateway).Generate(gpb.GenerateRequest(
+        prompt="Hello", sampling=cpb.SamplingParams(max_tokens=2, ignore_eos=True)), timeout=CALL_TIMEOUT_S))
+    assert code == grpc.StatusCode.OK and messages[-1].usage.completion_tokens == 2
+    # Nothing left behind: no call in the gateway, no request in the engine (the cut streams were aborted).
+    assert wait_until(lambda: gateway_stats(stack.gateway).inflight == 0, 10)
+    assert wait_until(lambda: worker_stats(stack.worker).num_requests == 0 == worker_stats(stack.worker).active_rpcs,
+                      10), worker_stats(stack.worker)
+    stats = gateway_stats(stack.gateway)
+    assert not {"INTERNAL", "UNKNOWN"} & set(stats.finished_by_code), dict(stats.finished_by_code)
 
 
 # ---- the tokenizer service over gRPC ----------------------------------------------------------------------------

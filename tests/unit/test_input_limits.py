@@ -1,5 +1,6 @@
 """Limits wherever input enters: every one a clear INVALID_ARGUMENT (the gRPC size limit, RESOURCE_EXHAUSTED,
-is gRPC's own); chat templates render in a sandbox that cannot read files, import or run code, nor run away."""
+is gRPC's own; the public port checked on an in-process gateway in front of a real aggregated worker); chat
+templates render in a sandbox that cannot read files, import or run code, nor run away."""
 
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ def test_prompt_token_limits():
         validate(request(prompt=None, token_ids=gpb.TokenIds(ids=[1] * 101)), own)
 
 
-def test_the_public_port_takes_smaller_messages(default_model):
-    stack = Stack(default_model, ["--max-request-bytes", "4096", "--max-prompt-tokens", "8"])
+def test_the_public_port_takes_smaller_messages(default_model, aggregated_worker):
+    stack = Stack(default_model, aggregated_worker, ["--max-request-bytes", "4096", "--max-prompt-tokens", "8"])
     try:
         with grpc.insecure_channel(stack.gateway) as ch:
             stub = gpb_grpc.GatewayStub(ch)
@@ -104,7 +105,8 @@ def test_the_public_port_takes_smaller_messages(default_model):
                 list(stub.Generate(request(prompt="word " * 100), timeout=10))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "this gateway takes at most 8 prompt tokens" in err.value.details()
-            assert list(stub.Generate(request(prompt="Hello"), timeout=10))[-1].finish_reason
+            short = request(prompt="Hello", sampling=cpb.SamplingParams(max_tokens=2))
+            assert list(stub.Generate(short, timeout=10))[-1].finish_reason
     finally:
         stack.close()
 

@@ -19,6 +19,14 @@ from engine import Engine, EngineConfig, SamplingParams, UnsupportedModelError
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"logprobs": 99}, "logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

@@ -1,5 +1,6 @@
-"""Worker discovery by DNS (``dns:///HOST:PORT`` entries of ``--decode-workers``), in process: a gateway, the
-real tokenizer service and three workers serving real gRPC on loopback. Only the system's resolver is swapped
+"""Worker discovery by DNS (``dns:///HOST:PORT`` entries of ``--decode-workers``): a gateway and the real
+tokenizer service in process, in front of two real aggregated workers (worker processes running the engine on
+the default model, tests.unit.inprocess.RealWorkers). Only the system's resolver is swapped
 (``Gateway(resolver=...)``) for an answer the tests change; everything after the lookup is the real path:
 health checks, routing, streams, channels.
 """
@@ -18,39 +19,17 @@ from prometheus_client import CollectorRegistry
 from gateway.server import SERVICE_NAME, Gateway, add_args, add_gateway_servicer, check_args
 from gateway.workers import DnsTarget, parse_dns, resolve_dns, tls_checking
 from protos import common_pb2 as cpb
-from protos import worker_pb2 as wpb
-from protos import worker_pb2_grpc as wpb_grpc
 from tandem.metrics import RequestMetrics
 from tandem.service import Service, start_server
 from tandem.tls import ClientTLS, install, internal_client
-from tests.e2e.pipeline import call, generate, token_request, wait_until
-from tests.unit.inprocess import FAKE_TOKEN, FakeWorker, LoopThread
+from tests.e2e.pipeline import call, generate, token_request, wait_until, worker_stats
+from tests.unit.inprocess import LoopThread
 from tokenizer_svc.server import build_service
 from tokenizer_svc.tokenizer import TextTokenizer
 
 HOST, PORT = "workers.tandem.test", 50062
 INTERVAL_S = "0.1"  # probes and resolutions: the tests wait a few of them
-
-
-class StreamingWorker(FakeWorker):
-    """Streams ``max_tokens`` tokens; a stream of more than one waits after its first until ``release``."""
-
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__(vocab_size)
-        self.release = asyncio.Event()
-        self.running = 0
-
-    async def Decode(self, request: wpb.DecodeRequest, context):
-        n = request.sampling.max_tokens
-        self.running += 1
-        try:
-            for i in range(n):
-                if i == 1:
-                    await self.release.wait()
-                finish = cpb.FINISH_REASON_LENGTH if i == n - 1 else cpb.FINISH_REASON_UNSPECIFIED
-                yield wpb.DecodeResponse(output=cpb.TokenOutput(token_ids=[FAKE_TOKEN]), finish_reason=finish)
-        finally:
-            self.running -= 1
+LONG_STREAM = 64  # tokens: a stream that runs on while a test removes its worker and sends others
 
 
 class Answer:
@@ -70,21 +49,18 @@ class Answer:
 
 
 class DnsStack:
-    """tokenizer_svc + three streaming workers + a gateway whose decode workers are ``dns:///HOST:PORT``."""
+    """tokenizer_svc + a gateway whose decode workers are ``dns:///HOST:PORT``, answered with real workers."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, workers: list[str]) -> None:
         self.loop = LoopThread()
         self.tokenizer = TextTokenizer(model)
-        self.workers = [StreamingWorker(self.tokenizer.vocab_size) for _ in range(3)]
+        self.addresses = workers
         self.answer = Answer()
+        self.answer.addresses = self.addresses[:1]
         self.loop.run(self._start())
 
     async def _start(self) -> None:
         tok = await start_server([build_service(self.tokenizer)], "127.0.0.1", 0)
-        workers = [await start_server([Service("tandem.v1.Worker", wpb_grpc.add_WorkerServicer_to_server, w)],
-                                      "127.0.0.1", 0) for w in self.workers]
-        self.addresses = [f"127.0.0.1:{s.port}" for s in workers]
-        self.answer.addresses = self.addresses[:1]
         parser = argparse.ArgumentParser()
         add_args(parser)
         args = parser.parse_args(["--mode", "aggregated", "--tokenizer", f"127.0.0.1:{tok.port}", "--port", "0",
@@ -95,7 +71,7 @@ class DnsStack:
         await self.core.pool.discover()  # as gateway.server.serve does
         await self.core.pool.probe_all()
         self.core.pool.start()
-        self.servers = [gw, *workers, tok]
+        self.servers = [gw, tok]
         self.gateway = f"127.0.0.1:{gw.port}"
 
     def routable(self) -> list[str]:
@@ -117,10 +93,6 @@ class DnsStack:
         self.answer.error, self.answer.addresses = None, addresses
         assert wait_until(lambda: sorted(self.routable()) == sorted(addresses), 5), self.routable()
 
-    def release(self, address: str) -> None:
-        worker = self.workers[self.addresses.index(address)]
-        self.loop.loop.call_soon_threadsafe(worker.release.set)
-
     def close(self) -> None:
         async def stop() -> None:
             await self.core.close()
@@ -132,8 +104,8 @@ class DnsStack:
 
 
 @pytest.fixture(scope="module")
-def stack(default_model):
-    s = DnsStack(default_model)
+def stack(default_model, real_workers):
+    s = DnsStack(default_model, real_workers.addresses(2))
     yield s
     s.close()
 
@@ -150,56 +122,67 @@ def served_by(stack: DnsStack, n: int) -> set[str]:
 
 
 def test_a_worker_added_to_the_answer_gets_requests_after_the_next_resolution(stack):
-    a, b, _ = stack.addresses
+    a, b = stack.addresses
     stack.answer_with([a])
     assert served_by(stack, 4) == {a}
     stack.answer_with([a, b])  # found, health-checked, then ready
     assert served_by(stack, 6) == {a, b}
 
 
+def busy(addresses: list[str]) -> list[str]:
+    """The workers with a call in progress, by their own Stats."""
+    return [address for address in addresses if worker_stats(address).active_rpcs]
+
+
 def test_a_worker_removed_gets_no_new_requests_and_its_stream_finishes(stack):
-    a, b, _ = stack.addresses
+    a, b = stack.addresses
     stack.answer_with([a, b])
+    assert wait_until(lambda: busy([a, b]) == [], 5)
+    long = token_request([5, 6, 7], LONG_STREAM, sampling=cpb.SamplingParams(
+        max_tokens=LONG_STREAM, temperature=0, ignore_eos=True))
 
     async def scenario():
         started = asyncio.Event()
-        held = asyncio.create_task(call(stack.gateway, token_request([5, 6, 7], 8), timeout=30,
+        held = asyncio.create_task(call(stack.gateway, long, timeout=60,
                                         on_message=lambda msg, reply: started.set()))
-        await asyncio.wait_for(started.wait(), 10)
-        [victim] = [address for address, w in zip(stack.addresses, stack.workers, strict=True)
-                    if w.running and address in (a, b)]
+        await asyncio.wait_for(started.wait(), 20)
+        [victim] = busy([a, b])
         stay = b if victim == a else a
+        served_before = worker_stats(victim).requests_total
         stack.answer_with([stay])
         new = {(await call(stack.gateway, token_request([20 + i, 11, 12], 1), timeout=10)).last.decode_worker
                for i in range(4)}
         still_open = stack.retired()
-        stack.release(victim)
-        return victim, stay, new, still_open, await held
+        running = worker_stats(victim).active_rpcs
+        served_after = worker_stats(victim).requests_total
+        return victim, stay, new, still_open, running, served_after - served_before, await held
 
-    victim, stay, new, still_open, reply = asyncio.run(scenario())
-    assert new == {stay}, "no new request goes to the worker gone from DNS"
+    victim, stay, new, still_open, running, served, reply = asyncio.run(scenario())
+    assert reply.code == grpc.StatusCode.OK, f"the stream in flight was cut: {reply.code.name}: {reply.details}"
+    assert len(reply.tokens) == LONG_STREAM and reply.last.decode_worker == victim, "the stream was cut"
+    assert reply.last.finish_reason == cpb.FINISH_REASON_LENGTH
+    assert running == 1, f"the stream of {LONG_STREAM} tokens ended before the checks: make it longer"
+    assert new == {stay} and served == 0, "no new request goes to the worker gone from DNS"
     assert still_open == [victim], "its channel stays open while its stream runs"
-    assert reply.code == grpc.StatusCode.OK, reply.details
-    assert len(reply.tokens) == 8 and reply.last.decode_worker == victim, "the stream in flight was not cut"
     assert wait_until(lambda: stack.retired() == [], 5), "its channel is closed once nothing runs on it"
 
 
 def test_a_failing_or_empty_answer_keeps_the_last_addresses(stack, caplog):
-    _, b, c = stack.addresses
-    stack.answer_with([b, c])
+    a, b = stack.addresses
+    stack.answer_with([a, b])
     caplog.set_level(logging.WARNING, logger="tandem.gateway.workers")
     nxdomain = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-    for error, addresses in ((nxdomain, [b, c]), (None, [])):
+    for error, addresses in ((nxdomain, [a, b]), (None, [])):
         asked = stack.answer.calls
         stack.answer.error, stack.answer.addresses = error, addresses
         assert wait_until(lambda asked=asked: stack.answer.calls >= asked + 3, 5), "resolved again and again"
-        assert sorted(stack.routable()) == sorted([b, c])
-        assert served_by(stack, 4) == {b, c}
+        assert sorted(stack.routable()) == sorted([a, b])
+        assert served_by(stack, 4) == {a, b}
     warnings = [r.getMessage() for r in caplog.records if "do not resolve" in r.getMessage()]
     assert len(warnings) == 2, "one warning per change, not one per resolution"
     assert "Name or service not known" in warnings[0] and "no addresses" in warnings[1]
     assert all("keeping the 2 addresses known" in w for w in warnings)
-    stack.answer_with([b, c])
+    stack.answer_with([a, b])
 
 
 # -- entries, the real resolver, TLS names, flags --------------------------------------------------------------

@@ -81,13 +81,19 @@ class ClientTLS:
     def from_files(cls, ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None,
                    server_name: str | None = None) -> ClientTLS:
         """A client's TLS from PEM files (``tandem generate --tls-ca ...``); the flag names are in the errors."""
-        if (cert is None) != (key is None):
-            raise TLSConfigError("--tls-cert and --tls-key go together: give both or neither")
-        chain = load_cert(cert, "--tls-cert") if cert else None
-        private = load_key(key, "--tls-key") if key else None
-        if chain and private:
-            check_pair(chain, private, "--tls-cert", "--tls-key")
+        chain, private = load_pair(cert, key)
         return cls(load_cert(ca, "--tls-ca") if ca else None, chain, private, server_name or None)
+
+
+def load_pair(cert: str | Path | None, key: str | Path | None) -> tuple[bytes | None, bytes | None]:
+    """The ``--tls-cert`` chain and ``--tls-key`` key (both or neither), checked to belong together."""
+    if (cert is None) != (key is None):
+        raise TLSConfigError("--tls-cert and --tls-key go together: give both or neither")
+    chain = load_cert(cert, "--tls-cert") if cert else None
+    private = load_key(key, "--tls-key") if key else None
+    if chain and private:
+        check_pair(chain, private, "--tls-cert", "--tls-key")
+    return chain, private
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +138,7 @@ def add_tls_args(p: argparse.ArgumentParser, public: bool = False) -> None:
 def from_args(args: argparse.Namespace, public: bool = False) -> ServiceTLS:
     """Read and check the files the TLS flags name; ``TLSConfigError`` says which flag is wrong."""
     cert, key, ca = _path(args, "tls_cert"), _path(args, "tls_key"), _path(args, "tls_ca")
-    if (cert is None) != (key is None):
-        raise TLSConfigError("--tls-cert and --tls-key go together: give both or neither")
-    chain = load_cert(cert, "--tls-cert") if cert else None
-    private = load_key(key, "--tls-key") if key else None
-    if chain and private:
-        check_pair(chain, private, "--tls-cert", "--tls-key")
+    chain, private = load_pair(cert, key)
     ca_pem = load_cert(ca, "--tls-ca") if ca else None
     name = getattr(args, "tls_server_name", None) or None
     if public:

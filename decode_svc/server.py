@@ -20,6 +20,7 @@ from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
 from tandem import telemetry, worker
 from tandem.pb_convert import finish_reason, token_output
+from tandem.service import status_name
 
 log = logging.getLogger("tandem.decode")
 
@@ -38,11 +39,11 @@ class DecodeServicer(worker.WorkerServicer):
         if request.HasField("handoff"):
             extra["num_external_tokens"] = await self._external_tokens(request, prompt, outputs, salt, context)
         ctx = telemetry.incoming(context.invocation_metadata())
-        stream = StreamTrace(ctx, prefills=not request.HasField("handoff") and not outputs)
+        stream = StreamTrace(ctx, len(prompt), prefills=not request.HasField("handoff") and not outputs)
         try:
             async for out in self._outputs(context, ctx, prompt, params, request.request_id, request.priority,
                                            **extra):
-                first = stream.step(out, len(prompt))
+                first = stream.step(out)
                 yield _message(out, first)
             stream.finish("OK")
         except RequestHandedBack:
@@ -51,7 +52,7 @@ class DecodeServicer(worker.WorkerServicer):
                 await self.connector.wait_saved(request.request_id)
             yield wpb.DecodeResponse(finish_reason=cpb.FINISH_REASON_MIGRATE)
         finally:
-            stream.finish(worker.status_name(context))
+            stream.finish(status_name(context))
 
     async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], outputs: list[int],
                                salt: str | None, context: grpc.aio.ServicerContext) -> int:
@@ -80,8 +81,9 @@ class StreamTrace:
     """The decode side of a request's trace: its queue, first step (or, aggregated, its prefill) and
     the stream, with inter-token percentiles; no span per token."""
 
-    def __init__(self, ctx, prefills: bool) -> None:
+    def __init__(self, ctx, prompt_len: int, prefills: bool) -> None:
         self.ctx = ctx
+        self.prompt_len = prompt_len
         self.prefills = prefills
         self.stamps: list[float] = []
         self.start: float | None = None
@@ -89,21 +91,21 @@ class StreamTrace:
         self.finish_reason = ""
         self.done = False
 
-    def step(self, out: RequestOutput, prompt_len: int) -> bool:
+    def step(self, out: RequestOutput) -> bool:
         """Record one output; True for the first."""
         first = not self.stamps
         self.stamps.append(time.monotonic())
         self.tokens += len(out.new_token_ids)
         self.finish_reason = out.finish_reason or ""
         if first and out.times is not None:
-            self._first(out, prompt_len)
+            self._first(out)
         return first
 
-    def _first(self, out: RequestOutput, prompt_len: int) -> None:
+    def _first(self, out: RequestOutput) -> None:
         t = out.times
         self.start = t.first_token
         if self.prefills:  # aggregated: this worker did the prefill
-            worker.trace_prefill(self.ctx, out, prompt_len)
+            worker.trace_prefill(self.ctx, out, self.prompt_len)
             return
         telemetry.span_at("decode.queue", self.ctx, t.arrival, t.scheduled)
         telemetry.span_at("decode.first_step", self.ctx, t.loaded, t.first_token,

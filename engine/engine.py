@@ -285,17 +285,18 @@ class Engine:
             return
         self.kv.update_hashes(r, computed)
         keys = [r.block_hashes[i] if i < len(r.block_hashes) else None for i in range(r.num_saved_blocks, end)]
-        data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
-        self.connector.save_blocks(r, r.num_saved_blocks, keys, data)
-        self.stats.kv_blocks_saved += end - r.num_saved_blocks
-        r.num_saved_blocks = end
+        self._save_blocks(r, end, keys)
 
     def _save_full_blocks(self, r: Request) -> None:
         """Consumer: hand the connector the blocks of prompt + generated tokens that became full."""
         end = r.num_computed_tokens // self.config.block_size
         self.kv.update_hashes(r, end * self.config.block_size)
+        self._save_blocks(r, end, r.block_hashes[r.num_saved_blocks : end])
+
+    def _save_blocks(self, r: Request, end: int, keys: list[bytes | None]) -> None:
+        """Push blocks ``num_saved_blocks .. end`` of ``r`` under ``keys`` (None: a partial block)."""
         data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
-        self.connector.save_blocks(r, r.num_saved_blocks, r.block_hashes[r.num_saved_blocks : end], data)
+        self.connector.save_blocks(r, r.num_saved_blocks, keys, data)
         self.stats.kv_blocks_saved += end - r.num_saved_blocks
         r.num_saved_blocks = end
 

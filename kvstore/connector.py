@@ -54,7 +54,6 @@ class KVStoreConnector(KVConnector):
         self._traces: dict[str, Any] = {}  # request id -> the trace context of its transfers
         self._touched: set[str] = set()  # requests whose partial blocks this side pulled
         self.failed_saves = 0
-        self.address = address
         self.metrics = transfer_metrics()
 
     async def _make_client(self, address: str) -> KVStoreClient:

@@ -49,7 +49,6 @@ MAX_BLOCKS_PER_TRANSFER = 1 << 16
 WINDOW = 48
 
 
-
 class TransferRefusedError(PermissionError):
     """The store refused a transfer: no valid token for those slots (or the reservation or lease ended)."""
 
@@ -117,17 +116,9 @@ def _status(value: int) -> np.ndarray:
 
 class DataPlaneServer:
     """Serves one pool over a UCX listener, on the process's UCX loop; every transfer needs a token
-    of that pool (``BlockPool.begin_transfer``).
+    of that pool (``BlockPool.begin_transfer``)."""
 
-    ``pool``: the BlockPool, or its ``buffer`` (the pool that owns it is found).
-    """
-
-    def __init__(self, pool: BlockPool | np.ndarray, on_bytes: Callable[[int, int], None] | None = None) -> None:
-        if not isinstance(pool, BlockPool):
-            owner = BlockPool.owning(pool)
-            if owner is None:
-                raise ValueError("the data plane serves a BlockPool (or its buffer): it checks the pool's tokens")
-            pool = owner
+    def __init__(self, pool: BlockPool, on_bytes: Callable[[int, int], None] | None = None) -> None:
         self.pool = pool
         self.buffer = pool.buffer  # [num_slots, block_bytes] uint8
         self.on_bytes = on_bytes or (lambda received, sent: None)

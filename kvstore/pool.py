@@ -24,7 +24,6 @@ import itertools
 import secrets
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -101,9 +100,6 @@ class Evicted:
     keys: list[bytes] = field(default_factory=list)
 
 
-_pools: weakref.WeakValueDictionary[int, BlockPool] = weakref.WeakValueDictionary()
-
-
 class BlockPool:
     def __init__(
         self,
@@ -132,13 +128,6 @@ class BlockPool:
         self._leases: dict[int, Lease] = {}
         self._grants: dict[bytes, Grant] = {}  # token -> open reservation or held lease
         self._ids = itertools.count(1)
-        _pools[id(self.buffer)] = self
-
-    @staticmethod
-    def owning(buffer: object) -> BlockPool | None:
-        """The pool whose ``buffer`` this is (the pool keeps it alive, so its id is not reused)."""
-        pool = _pools.get(id(buffer))
-        return pool if pool is not None and pool.buffer is buffer else None
 
     # -- writers -------------------------------------------------------------------------------
 

@@ -89,6 +89,15 @@ class RunningServer:
             await self.health_server.stop(0)
 
 
+def status_name(context: grpc.aio.ServicerContext) -> str:
+    """The status a call is ending with: the one it aborted with, else the caller went away."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = None) -> int:
     """Add the service's port to ``server``, with TLS when ``tls`` is given; the port bound."""
     address = f"{host}:{port}"

@@ -249,15 +249,6 @@ def _queued_prompt_tokens(engine: Engine) -> int:
     return 0
 
 
-def status_name(context: grpc.aio.ServicerContext) -> str:
-    """The status a call is ending with: the one it aborted with, else the caller went away."""
-    code = context.code()
-    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
-        return code.name
-    remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-
-
 def ms(seconds: float) -> float:
     return seconds * 1000.0
 

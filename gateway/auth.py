@@ -142,13 +142,17 @@ def read_keys_file(path: str | Path) -> list[ApiKey]:
     except OSError as exc:
         raise KeysFileError(f"cannot read the API keys file {path}: {exc.strerror or exc}") from exc
     try:
-        doc = json.loads(text) if path.suffix == ".json" else _yaml(text)
+        doc = _parse_doc(path, text)
     except ValueError as exc:  # json.JSONDecodeError and yaml.YAMLError (wrapped below)
         raise KeysFileError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
     try:
         return parse_keys(doc)
     except KeysFileError as exc:
         raise KeysFileError(f"{path}: {exc}") from exc
+
+
+def _parse_doc(path: Path, text: str) -> Any:
+    return json.loads(text) if path.suffix == ".json" else _yaml(text)
 
 
 def _yaml(text: str) -> Any:
@@ -169,12 +173,10 @@ def add_key(path: str | Path, name: str, requests_per_minute: float | None = Non
     doc: Any = {"keys": []}
     if path.exists():
         read_keys_file(path)  # refuse to extend a file the gateway would refuse
-        text = path.read_text()
-        doc = (json.loads(text) if path.suffix == ".json" else _yaml(text)) or {"keys": []}
+        doc = _parse_doc(path, path.read_text()) or {"keys": []}
         if isinstance(doc, list):
             doc = {"keys": doc}
-        doc.setdefault("keys", None)
-        doc["keys"] = doc["keys"] or []
+        doc["keys"] = doc.get("keys") or []
     if isinstance(requests_per_minute, float) and requests_per_minute.is_integer():
         requests_per_minute = int(requests_per_minute)
     key = new_key()

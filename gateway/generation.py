@@ -4,10 +4,12 @@ Disaggregated: a prefill worker answers with the first token (streamed to the
 client at once) and then the handoff naming the prompt's blocks in the kvstore;
 a decode worker pulls them and streams the rest. Aggregated: one decode worker
 does both. A prefill worker that dies before answering is replaced by another
-(the request is re-sent under a fresh attempt id); a decode worker that dies
-before its first message likewise; one that dies mid-stream ends the call with
-UNAVAILABLE. However the call ends, downstream calls are cancelled (aborting
-the request in the workers) and request-scoped blocks are dropped from the store.
+(the request is re-sent under a fresh attempt id). A decode worker that dies or
+hands the request back (draining) is replaced too, at any point of the stream:
+the request moves on with the tokens streamed so far, up to --migration-limit
+times, then ends with UNAVAILABLE. However the call ends, downstream calls are
+cancelled (aborting the request in the workers) and request-scoped blocks are
+dropped from the store.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from protos import gateway_pb2 as gpb
 from protos import worker_pb2 as wpb
 from tandem.pb_convert import sampling_to_pb
 
-MAX_ATTEMPTS = 3  # per phase: a request tries at most this many workers
+MAX_ATTEMPTS = 3  # prefill workers a request tries at most (decode: ``migration_limit``)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 

@@ -31,13 +31,14 @@ class RequestRecord:
             "gateway.generate", context=telemetry.incoming(metadata), kind=SpanKind.SERVER,
             attributes={"gateway.inflight_at_admission": inflight})
         self.ctx = telemetry.context_of(self.root)
+        self._outgoing = telemetry.outgoing(self.ctx)  # the context never changes: injected once, not per call
         self.route: Span | None = None
         self.tokens_sent = 0
         self._last_sent: float | None = None
 
     def metadata(self) -> list[tuple[str, str]]:
         """For calls made on behalf of the request: their spans join its trace."""
-        return telemetry.outgoing(self.ctx)
+        return self._outgoing
 
     def start_route(self) -> list[tuple[str, str]]:
         self.route = telemetry.tracer().start_span("gateway.route", context=self.ctx)
@@ -54,14 +55,15 @@ class RequestRecord:
 
     def sent(self, msg: gpb.GenerateResponse) -> None:
         """A message went to the client: the gap since the last one is an inter-token latency."""
-        if not msg.token_ids:
+        n = len(msg.token_ids)
+        if not n:
             return
         now = time.monotonic()
         if self._last_sent is not None:
             self.metrics.itl.observe(now - self._last_sent)
         self._last_sent = now
-        self.tokens_sent += len(msg.token_ids)
-        self.metrics.generation_tokens.inc(len(msg.token_ids))
+        self.tokens_sent += n
+        self.metrics.generation_tokens.inc(n)
 
     def finish(self, code: str, message: str, last: gpb.GenerateResponse | None) -> None:
         self.end_route()

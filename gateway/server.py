@@ -40,6 +40,7 @@ from tandem.service import (
     setup_logging,
     start_observability,
     start_server,
+    status_name,
     stop_observability,
     stop_signal,
 )
@@ -71,6 +72,7 @@ class Gateway(gpb_grpc.GatewayServicer):
         self.migration_limit = args.migration_limit
         self.kvstore_address = args.kvstore or ""
         self.metrics = metrics or RequestMetrics()
+        self.metrics.running.set_function(lambda: self.inflight)  # read at scrape time, as other state
         # API keys (gateway.auth): None, no authentication.
         self.keys = KeyRing.load(args.api_keys_file) if args.api_keys_file else None
         self.max_prompt_tokens = args.max_prompt_tokens
@@ -137,7 +139,6 @@ class Gateway(gpb_grpc.GatewayServicer):
             await self._refuse(context, record, tenant, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
         self.inflight += 1
-        self.metrics.running.inc()
         code, message, last = "CANCELLED", "", None
         try:
             async with contextlib.aclosing(self._generate(request, context, record, tenant)) as stream:
@@ -153,12 +154,10 @@ class Gateway(gpb_grpc.GatewayServicer):
             code, message = exc.code.name, exc.message
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
-            remaining = context.time_remaining()
-            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            code = status_name(context)
             raise
         finally:
             self.inflight -= 1
-            self.metrics.running.dec()
             self.finished_by_code[code] += 1
             if lease is not None:
                 lease.release()
@@ -208,7 +207,8 @@ class Gateway(gpb_grpc.GatewayServicer):
         if valid.request_id in self._active_ids:
             raise InvalidRequest(f"request_id {valid.request_id!r} is already in flight")
         self._active_ids.add(valid.request_id)
-        record.attributes(**{"tandem.request_id": valid.request_id})
+        if not request.request_id:  # a given one is on the span since admission
+            record.attributes(**{"tandem.request_id": valid.request_id})
         try:
             if valid.token_ids is not None:
                 prompt = valid.token_ids

@@ -151,7 +151,8 @@ def _check_chat(req: gpb.GenerateRequest) -> None:
 
 
 def _check_sampling(p: cpb.SamplingParams) -> None:
-    """What the engine's own checks let through: NaN passes `x < 0`, and ids lists are unbounded."""
+    """A non-finite number is named as such (the engine's range checks refuse it too, as out of range), and
+    the ids list, which the engine leaves unbounded, is bounded."""
     for name in FLOAT_PARAMS:
         if p.HasField(name) and not math.isfinite(getattr(p, name)):
             raise InvalidRequest(f"sampling: {name} must be a finite number, got {getattr(p, name)}")

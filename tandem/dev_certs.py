@@ -60,9 +60,7 @@ class DevCA:
             .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(now + VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(_key_usage(ca=True), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
         )
@@ -83,9 +81,7 @@ class DevCA:
             .not_valid_after(now + VALIDITY)
             .add_extension(x509.SubjectAlternativeName(_san(_hosts([*self.hosts, *hosts]))), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(_key_usage(ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
@@ -113,6 +109,13 @@ def _now() -> datetime.datetime:
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "tandem"),
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _key_usage(ca: bool) -> x509.KeyUsage:
+    """Signatures (ECDSA), and for the CA signing certificates and CRLs too."""
+    return x509.KeyUsage(digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
+                         key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                         decipher_only=False)
 
 
 def _hosts(hosts: Sequence[str]) -> list[str]:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from tandem.tls import ClientTLS
 
 MODES = ("disaggregated", "aggregated")
+SERVICE_KINDS = ("kvstore", "tokenizer", "prefill", "decode", "gateway")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ``NAME READY k=v k=v``: the one line a service prints once it listens (tandem.service.announce).
 READY_RE = re.compile(r"^([A-Z][A-Z0-9_]*) READY((?: +[A-Za-z0-9_]+=\S*)*) *$")
@@ -55,7 +56,6 @@ LAUNCHER_OWNED_ENV = (
     "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", "TANDEM_TLS_CLIENT_CA", "TANDEM_TLS_INTERNAL_CERT",
     "TANDEM_TLS_INTERNAL_KEY", "TANDEM_TLS_SERVER_NAME",
 )
-TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
 LOG_TAIL_LINES = 20
 
 
@@ -239,12 +239,10 @@ class ClusterConfig:
             raise ValueError("disaggregated mode needs at least one prefill worker")
         if self.kv_capacity_gb <= 0:
             raise ValueError("kv_capacity_gb must be > 0")
-        unknown = set(self.extra_args) - {"kvstore", "tokenizer", "prefill", "decode", "gateway"}
-        if unknown:
-            raise ValueError(f"extra_args for unknown services: {', '.join(sorted(unknown))}")
-        unknown = set(self.cpu_affinity) - {"kvstore", "tokenizer", "prefill", "decode", "gateway"}
-        if unknown:
-            raise ValueError(f"cpu_affinity for unknown services: {', '.join(sorted(unknown))}")
+        for what, per_kind in (("extra_args", self.extra_args), ("cpu_affinity", self.cpu_affinity)):
+            unknown = set(per_kind) - set(SERVICE_KINDS)
+            if unknown:
+                raise ValueError(f"{what} for unknown services: {', '.join(sorted(unknown))}")
         usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         for kind, cpus in self.cpu_affinity.items():
             if not cpus or not set(cpus) <= usable:
@@ -409,10 +407,9 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_OWNED_ENV}
         env.update(self.config.env)
         env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file as they happen
-        if not any(env.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                                         TRACE_FILE_ENV)):
-            from tandem.telemetry import default_trace_file
+        from tandem.telemetry import OTLP_ENDPOINT_ENVS, TRACE_FILE_ENV, default_trace_file
 
+        if not any(env.get(k) for k in (*OTLP_ENDPOINT_ENVS, TRACE_FILE_ENV)):
             env[TRACE_FILE_ENV] = str(default_trace_file())  # no collector: spans for `tandem trace`
         return env
 
@@ -422,7 +419,7 @@ class Cluster:
         with open(log_path, "ab") as log:
             env = self._child_env()
             env["TANDEM_PARENT_PID"] = str(os.getpid())  # tandem.child: die with the launcher
-            env["TANDEM_CPUS"] = ",".join(map(str, self._cpus(spec.kind)))
+            env["TANDEM_CPUS"] = ",".join(map(str, self.config.cpu_affinity.get(spec.kind, [])))
             # A process group of its own (set before exec, no Python in between): Ctrl-C on the
             # launcher's terminal does not reach it; the launcher stops it in order.
             proc = subprocess.Popen(
@@ -430,9 +427,6 @@ class Cluster:
                 stderr=subprocess.STDOUT, env=env, process_group=0, close_fds=True,
             )
         return ServiceProcess(spec.name, spec.kind, proc, log_path, spec=spec, _offset=offset)
-
-    def _cpus(self, kind: str) -> list[int]:
-        return self.config.cpu_affinity.get(kind, [])
 
     @staticmethod
     def _wait_ready(pending: Sequence[ServiceProcess], timeout: float) -> None:

@@ -56,16 +56,12 @@ def register_state(read: Callable[[], Iterable[Any]]) -> None:
     REGISTRY.register(StateCollector(read))
 
 
-def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
-    g.add_metric(list((labels or {}).values()), value)
-    return g
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
 
 
-def counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> CounterMetricFamily:
-    c = CounterMetricFamily(name, doc, labels=list(labels or {}))
-    c.add_metric(list((labels or {}).values()), value)
-    return c
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
 
 
 class RequestMetrics:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,19 @@ def any_value(v: common_pb2.AnyValue) -> Any:
     if kind == "array_value":
         return [any_value(x) for x in v.array_value.values]
     if kind == "kvlist_value":
-        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+        return attributes(v.kvlist_value.values)
     return getattr(v, kind) if kind else None
+
+
+def attributes(kvs: Iterable[common_pb2.KeyValue]) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in kvs}
 
 
 def records(request: tspb.ExportTraceServiceRequest) -> list[dict[str, Any]]:
     """OTLP spans as ``tandem trace`` records (the fields of ``tandem.telemetry.span_record``)."""
     out = []
     for rs in request.resource_spans:
-        resource = {kv.key: any_value(kv.value) for kv in rs.resource.attributes}
+        resource = attributes(rs.resource.attributes)
         for ss in rs.scope_spans:
             for s in ss.spans:
                 out.append({
@@ -49,9 +54,9 @@ def records(request: tspb.ExportTraceServiceRequest) -> list[dict[str, Any]]:
                     "end_ns": s.end_time_unix_nano,
                     "status": STATUS.get(s.status.code, "UNSET"),
                     "status_message": s.status.message,
-                    "attributes": {kv.key: any_value(kv.value) for kv in s.attributes},
+                    "attributes": attributes(s.attributes),
                     "events": [{"name": e.name, "time_ns": e.time_unix_nano,
-                                "attributes": {kv.key: any_value(kv.value) for kv in e.attributes}}
+                                "attributes": attributes(e.attributes)}
                                for e in s.events],
                 })
     return out

@@ -33,14 +33,16 @@ log = logging.getLogger("tandem.telemetry")
 
 TRACER = "tandem"
 TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
+OTLP_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _provider = None
 # The offset between the monotonic clock (engine stamps) and the wall clock (span times), fixed once.
 _WALL_MINUS_MONO_NS = time.time_ns() - time.monotonic_ns()
 
 
 def default_trace_file() -> Path:
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")).expanduser()
-    return home / "traces.jsonl"
+    from tandem.model_fetch import tandem_home
+
+    return tandem_home() / "traces.jsonl"
 
 
 def setup_tracing(service: str, instance: str = "") -> bool:
@@ -67,7 +69,7 @@ def setup_tracing(service: str, instance: str = "") -> bool:
 
 
 def _exporter():
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    if any(os.environ.get(k) for k in OTLP_ENDPOINT_ENVS):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()
@@ -196,11 +198,7 @@ def span_record(s: Any) -> dict[str, Any]:
         "end_ns": s.end_time,
         "status": s.status.status_code.name,
         "status_message": s.status.description or "",
-        "attributes": {k: _plain(v) for k, v in (s.attributes or {}).items()},
+        "attributes": dict(s.attributes or {}),  # sequences are tuples: JSON arrays all the same
         "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
                    for e in s.events],
     }
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TextIO
 
-from tandem.telemetry import default_trace_file
+from tandem.telemetry import TRACE_FILE_ENV, default_trace_file
 
 ROOT_SPAN = "gateway.generate"
 SERVICE_COLORS = {"gateway": "tab:green", "tokenizer": "tab:pink", "prefill": "tab:orange", "kvstore": "tab:olive",
@@ -55,11 +57,14 @@ class RequestTrace:
     def request_id(self) -> str:
         return str(self.root.attributes.get("tandem.request_id", ""))
 
+    @cached_property
+    def _by_id(self) -> dict[str, SpanRecord]:
+        return {s.span_id: s for s in self.spans}
+
     def depth(self, span: SpanRecord) -> int:
-        by_id = {s.span_id: s for s in self.spans}
         d, s = 0, span
-        while s.parent_span_id in by_id:
-            d, s = d + 1, by_id[s.parent_span_id]
+        while s.parent_span_id in self._by_id:
+            d, s = d + 1, self._by_id[s.parent_span_id]
         return d
 
 
@@ -67,7 +72,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("request_id", nargs="?", help="the request to show (default: the latest)")
     p.add_argument("--last", type=int, default=None, metavar="N", help="show the last N requests")
     p.add_argument("--file", type=Path, action="append", default=None,
-                   help=f"span file(s) to read (default: {default_trace_file()}, env TANDEM_TRACE_FILE)")
+                   help=f"span file(s) to read (default: {default_trace_file()}, env {TRACE_FILE_ENV})")
     p.add_argument("--png", type=Path, default=None, help="also draw the waterfall(s) into this PNG file")
 
 
@@ -179,9 +184,7 @@ def select(reqs: list[RequestTrace], request_id: str | None, last: int | None) -
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    import os
-
-    paths = args.file or [Path(os.environ.get("TANDEM_TRACE_FILE") or default_trace_file())]
+    paths = args.file or [Path(os.environ.get(TRACE_FILE_ENV) or default_trace_file())]
     missing = [p for p in paths if not p.is_file()]
     if missing:
         print(f"tandem trace: no span file at {missing[0]} (run `tandem up`, or set OTEL_* to export elsewhere)",

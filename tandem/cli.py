@@ -18,6 +18,19 @@ SERVICES = {
     "decode": ("decode_svc.server", "a decode worker: the engine as consumer (aggregated without --kvstore)"),
     "kvstore": ("kvstore.server", "a KV block store node (gRPC control plane + UCX data plane)"),
 }
+# `tandem bench NAME`: each module has add_args(parser) and run(args); the last field: whether it takes the
+# engine flags (it runs a model, in-process or in a cluster it starts).
+BENCHES = {
+    "offline": ("tandem.bench.offline", "engine throughput against transformers, in-process", True),
+    "pipeline": ("tandem.bench.pipeline", "the gRPC pipeline against the engine in-process, at low load", True),
+    "migration": ("tandem.bench.migration", "the pause a client sees when its decode worker dies: "
+                  "recompute against pull", True),
+    "kv": ("tandem.bench.kv", "kvstore push/pull against memcpy and gRPC bytes, cross-process", False),
+    "serve": ("tandem.bench.serve", "load a running gateway (or an OpenAI-compatible server) at "
+              "request rates; latency percentiles, throughput, goodput, plots", False),
+    "compare": ("tandem.bench.compare", "aggregated against disaggregated `tandem up`, pinned to cores, "
+                "swept over request rates: one table, one plot", True),
+}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -187,43 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    offline = bench_sub.add_parser("offline", help="engine throughput against transformers, in-process")
-    from tandem.bench.offline import add_args as add_offline_args
-
-    add_offline_args(offline)
-    add_engine_args(offline)
-    offline.set_defaults(func=_cmd_bench_offline)
-    pipe = bench_sub.add_parser("pipeline", help="the gRPC pipeline against the engine in-process, at low load")
-    from tandem.bench.pipeline import add_args as add_pipeline_args
-
-    add_pipeline_args(pipe)
-    add_engine_args(pipe)
-    pipe.set_defaults(func=_cmd_bench_pipeline)
-    mig = bench_sub.add_parser("migration", help="the pause a client sees when its decode worker dies: "
-                               "recompute against pull")
-    from tandem.bench.migration import add_args as add_migration_args
-
-    add_migration_args(mig)
-    add_engine_args(mig)
-    mig.set_defaults(func=_cmd_bench_migration)
-    kv_bench = bench_sub.add_parser("kv", help="kvstore push/pull against memcpy and gRPC bytes, cross-process")
-    from tandem.bench.kv import add_args as add_kv_args
-
-    add_kv_args(kv_bench)
-    kv_bench.set_defaults(func=_cmd_bench_kv)
-    serve_bench = bench_sub.add_parser("serve", help="load a running gateway (or an OpenAI-compatible server) at "
-                                       "request rates; latency percentiles, throughput, goodput, plots")
-    from tandem.bench.serve import add_args as add_serve_args
-
-    add_serve_args(serve_bench)
-    serve_bench.set_defaults(func=_cmd_bench_serve)
-    compare = bench_sub.add_parser("compare", help="aggregated against disaggregated `tandem up`, pinned to cores, "
-                                   "swept over request rates: one table, one plot")
-    from tandem.bench.compare import add_args as add_compare_args
-
-    add_compare_args(compare)
-    add_engine_args(compare)
-    compare.set_defaults(func=_cmd_bench_compare)
+    for name, (module, help_text, runs_engine) in BENCHES.items():
+        b = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_args(b)
+        if runs_engine:
+            add_engine_args(b)
+        b.set_defaults(func=_cmd_bench)
     return parser
 
 
@@ -357,40 +339,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return importlib.import_module(args.module).run(args)
 
 
-def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
-    from tandem.bench.pipeline import run
-
-    return run(args)
-
-
-def _cmd_bench_migration(args: argparse.Namespace) -> int:
-    from tandem.bench.migration import run
-
-    return run(args)
-
-
-def _cmd_bench_kv(args: argparse.Namespace) -> int:
-    from tandem.bench.kv import run
-
-    return run(args)
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tandem.bench.serve import run
-
-    return run(args)
-
-
-def _cmd_bench_compare(args: argparse.Namespace) -> int:
-    from tandem.bench.compare import run
-
-    return run(args)
-
-
-def _cmd_bench_offline(args: argparse.Namespace) -> int:
-    from tandem.bench.offline import run
-
-    return run(args)
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return importlib.import_module(BENCHES[args.bench][0]).run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

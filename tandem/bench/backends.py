@@ -149,9 +149,10 @@ class OpenAIBackend:
             async for data in events:
                 if data == "[DONE]":
                     break
+                arrived = time.perf_counter()  # before parsing: the client's own work is not the server's latency
                 event = json.loads(data)
                 if (choices := event.get("choices")) and is_token(choices[0]):
-                    record.token_times.append(time.perf_counter())
+                    record.token_times.append(arrived)
                 if usage := event.get("usage"):
                     record.prompt_tokens = usage.get("prompt_tokens") or 0
                     details = usage.get("prompt_tokens_details") or {}

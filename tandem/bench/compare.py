@@ -16,13 +16,12 @@ import argparse
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 from tandem.bench.backends import GatewayBackend
 from tandem.bench.datasets import add_dataset_args, check_dataset_args
 from tandem.bench.report import format_rate, markdown_table
-from tandem.bench.serve import RunResult, add_load_args, result_doc, sweep
+from tandem.bench.serve import RunResult, add_load_args, output_stem, result_doc, sweep
 
 MODES = ("aggregated", "disaggregated")
 
@@ -74,12 +73,9 @@ def run_topology(mode: str, args: argparse.Namespace) -> list[RunResult]:
                                     cpu_affinity=plan))
     pins = ", ".join(f"{kind} on cores {','.join(map(str, cpus))}" for kind, cpus in plan.items()) or "not pinned"
     print(f"bench compare: starting {mode} ({pins}), logs in {cluster.log_dir}", flush=True)
-    try:
-        cluster.start()
+    with cluster:  # started here, stopped on the way out
         cluster.wait_healthy(60)
         return asyncio.run(_sweep(cluster.gateway.address, args, mode))
-    finally:
-        cluster.stop()
 
 
 async def _sweep(address: str, args: argparse.Namespace, mode: str) -> list[RunResult]:
@@ -112,7 +108,7 @@ def describe(args: argparse.Namespace) -> str:
 def write_outputs(args: argparse.Namespace, series: dict[str, list[RunResult]], table: str) -> list[Path]:
     """``compare-*.md`` (the table), ``.json`` (its figures and every run's details), ``.png``."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"compare-{args.label + '-' if args.label else ''}{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = output_stem("compare", args.label)
     md, doc = args.output_dir / f"{stem}.md", args.output_dir / f"{stem}.json"
     md.write_text(f"{describe(args)}\n\n{table}\n")
     details = {mode: result_doc(args, results, topology=mode,

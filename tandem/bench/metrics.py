@@ -79,6 +79,20 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def latencies(done: list[RequestRecord], key: str) -> list[float]:
+    """One kind of latency of completed requests, in seconds: ``ttft``, ``tpot`` (requests with two tokens
+    or more) and ``e2el`` one per request, ``itl`` one per gap between tokens."""
+    if key == "itl":
+        return [g for r in done for g in r.itls]
+    if key == "tpot":
+        return [t for r in done if (t := r.tpot) is not None]
+    if key == "ttft":
+        return [r.ttft for r in done]
+    if key == "e2el":
+        return [r.e2e for r in done]
+    raise ValueError(f"no latency {key!r}")
+
+
 def summarize_ms(seconds: list[float]) -> dict[str, float]:
     """mean, median, p90, p99 (and std) in milliseconds."""
     ms = [s * 1000 for s in seconds]
@@ -148,10 +162,10 @@ def compute_metrics(records: list[RequestRecord], duration: float, slo: dict[str
         "prefix_cache_hit_rate": (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
                                   if reported else None),
         "short_outputs": sum(r.output_tokens < r.expected_output for r in done),
-        "ttft_ms": summarize_ms([r.ttft for r in done]),
-        "tpot_ms": summarize_ms([t for r in done if (t := r.tpot) is not None]),
-        "itl_ms": summarize_ms([g for r in done for g in r.itls]),
-        "e2el_ms": summarize_ms([r.e2e for r in done]),
+        "ttft_ms": summarize_ms(latencies(done, "ttft")),
+        "tpot_ms": summarize_ms(latencies(done, "tpot")),
+        "itl_ms": summarize_ms(latencies(done, "itl")),
+        "e2el_ms": summarize_ms(latencies(done, "e2el")),
         "errors": _error_counts(records),
     }
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from tandem import otlp_receiver
+from tandem.bench.metrics import percentile
 from tandem.client import stream_generate
 from tandem.service import channel
 
@@ -73,13 +74,6 @@ class Series:
             "itl_ms_p90": percentile(self.itls(), 90),
             "requests": len(self.samples),
         }
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def gaps_ms(stamps: list[float]) -> list[float]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.bench.metrics import latencies
 from tandem.bench.report import format_rate
 
 if TYPE_CHECKING:
@@ -41,37 +42,34 @@ def rate_axis(rates: Sequence[float]) -> tuple[list[float], list[str] | None]:
 
 
 def _latencies(result: RunResult, key: str) -> list[float]:
-    done = [r for r in result.records if r.ok]
-    if key == "ttft":
-        values = [r.ttft for r in done]
-    elif key == "tpot":
-        values = [t for r in done if (t := r.tpot) is not None]
-    elif key == "itl":
-        values = [g for r in done for g in r.itls]
-    else:
-        values = [r.e2e for r in done]
-    return sorted(v * 1000 for v in values)
+    return sorted(v * 1000 for v in latencies([r for r in result.records if r.ok], key))
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_latency_cdfs(results: Sequence[RunResult], path: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (key, title) in zip(axes.flat, CDF_PANELS, strict=True):
+        plotted = False
         for result in results:
             values = _latencies(result, key)
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
                 ax.step(values, ys, where="post", label=f"{format_rate(result.load.rate)} req/s")
+                plotted = True
         ax.set(title=title, xlabel="ms", ylabel="fraction of " + ("gaps" if key == "itl" else "requests"), ylim=(0, 1))
-        if any(_latencies(r, key) for r in results):
+        if plotted:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle("latency CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_throughput(results: Sequence[RunResult], path: Path) -> Path:
@@ -94,10 +92,7 @@ def plot_throughput(results: Sequence[RunResult], path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_timeline(results: Sequence[RunResult], path: Path) -> Path:
@@ -117,10 +112,7 @@ def plot_timeline(results: Sequence[RunResult], path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_serve(results: Sequence[RunResult], out_dir: Path, stem: str) -> list[Path]:
@@ -156,7 +148,4 @@ def plot_compare(series: dict[str, Sequence[RunResult]], path: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle("aggregated against disaggregated")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -39,9 +39,8 @@ from tandem.bench.metrics import RequestRecord, compute_metrics, parse_slo, reco
 from tandem.bench.progress import Progress
 from tandem.bench.report import format_rate, format_report, markdown_table
 from tandem.bench.timeline import StatsPoller, TimelineSample
+from tandem.cli import DEFAULT_GATEWAY
 from tandem.settings import env_default
-
-DEFAULT_GATEWAY = "127.0.0.1:50051"
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -229,6 +228,11 @@ def result_doc(args: argparse.Namespace, results: list[RunResult], **extra: obje
             "runs": [r.to_json() for r in results]}
 
 
+def output_stem(kind: str, label: str) -> str:
+    """The result files' common name: ``<kind>-[<label>-]<date>-<time>``."""
+    return f"{kind}-{label + '-' if label else ''}{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def write_outputs(args: argparse.Namespace, results: list[RunResult], stem: str, **extra: object) -> list[Path]:
     """``<stem>.json`` and (unless ``--no-plots``) the three PNGs; the paths written."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem bench serve: {exc}", file=sys.stderr)
         return 1
     print(sweep_table(results))
-    stem = f"serve-{args.label + '-' if args.label else ''}{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = output_stem("serve", args.label)
     for path in write_outputs(args, results, stem, backend=args.backend, target=target):
         print(f"wrote {path}")
     return 0 if all(r.metrics["completed"] for r in results) else 1

@@ -61,3 +61,11 @@ def default_model() -> Path:
 
     home = os.environ.get("TANDEM_HOME")
     return fetch_default_model(Path(home) if home else None)
+
+
+@pytest.fixture(scope="session")
+def tok(default_model: Path):
+    """The default model's tokenizer, as the tokenizer service loads it."""
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    return TextTokenizer(default_model)

@@ -21,7 +21,6 @@ from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from tandem.launcher import ServiceSpec
 from tests.e2e.pipeline import Reply, call, gateway_stats, start_cluster, token_request, wait_clean, worker_stats
-from tokenizer_svc.tokenizer import TextTokenizer
 
 MAX_TOKENS = 120
 
@@ -31,11 +30,6 @@ def cluster(default_model, tmp_path_factory):
     c = start_cluster(default_model, tmp_path_factory.mktemp("migration-logs"), num_prefill=1, num_decode=3)
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(default_model):
-    return TextTokenizer(default_model)
 
 
 @pytest.fixture(scope="module")

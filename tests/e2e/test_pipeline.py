@@ -32,7 +32,6 @@ from tests.e2e.pipeline import (
     worker_stats,
 )
 from tests.hf_reference import hf_greedy, load_hf
-from tokenizer_svc.tokenizer import TextTokenizer
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -55,11 +54,6 @@ def aggregated(default_model, tmp_path_factory):
                       gateway_args=["--max-inflight", "4"])
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(default_model):
-    return TextTokenizer(default_model)
 
 
 @pytest.fixture(scope="module")

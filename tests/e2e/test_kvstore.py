@@ -119,10 +119,15 @@ def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
                 outs[out.request_id] += out.new_token_ids
         assert [outs[f"r{i}"] for i in range(4)] == reference
         assert consumer.stats.kv_load_failures == 0 and consumer.stats.prompt_tokens_computed == 0
-        stats = run(_with_client(node.grpc, lambda c: c.stats()))
+        # Partial blocks are request-scoped: dropped once pulled; full blocks stay for reuse. The drop is sent
+        # when a request ends, asynchronously: give it a moment to land.
+        full_blocks = sum(len(p) // 16 for p in prompts)
+        deadline = time.monotonic() + 5
+        while (stats := run(_with_client(node.grpc, lambda c: c.stats()))).stored_blocks != full_blocks \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert stats.active_leases == 0 and stats.reserved_blocks == 0
-        # Partial blocks are request-scoped: dropped once pulled; full blocks stay for reuse.
-        assert stats.stored_blocks == sum(len(p) // 16 for p in prompts)
+        assert stats.stored_blocks == full_blocks
     finally:
         producer.connector.close()
         consumer.connector.close()

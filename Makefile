@@ -17,6 +17,7 @@ setup: $(VENV)/.installed
 
 model: setup
 	$(TANDEM) fetch-model
+	$(TANDEM) build-kernels
 
 run: model
 	$(TANDEM) up --generate "$(PROMPT)"

@@ -55,7 +55,7 @@ _Decode = tuple[int, int, torch.Tensor]  # (position in the stream, context leng
 
 
 def build_metadata(
-    spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+    spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device, group_by_len: bool = True
 ) -> AttentionMetadata:
     """Turn (num_computed_before, num_new, block_ids) per request into step metadata."""
     slots, decodes, prefills = [], [], []
@@ -70,7 +70,7 @@ def build_metadata(
         else:
             prefills.append(_prefill_span(start, new, context, blocks, block_size, device))
         start += new
-    groups = group_by_length(decodes)
+    groups = group_by_length(decodes) if group_by_len else [decodes] if decodes else []
     return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device),
         decodes=[_decode_group(g, block_size, device) for g in groups],
@@ -131,6 +131,7 @@ class AttentionBackend:
     """
 
     name = "base"
+    groups_by_length = True  # whether decodes attend in groups of similar length (see DecodeGroup)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
@@ -270,6 +271,28 @@ class SdpaAttentionBackend(TorchAttentionBackend):
         return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
 
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """CPU: decode attention by the compiled kernel of ``engine.cpu_ops``, reading each sequence's
+    K/V rows in place through its block table, so nothing is gathered and nothing is padded (one
+    group for every decode, whatever the lengths). Writes of new K/V go slot by slot in one call.
+    Prefill keeps the torch backend's SDPA, which is compute-bound and already efficient.
+    """
+
+    name = "cpu"
+    groups_by_length = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, ops) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self.ops = ops
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        self.ops.write_kv_(kv, k, v, slots)
+
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        out = self.ops.paged_decode_attention(q, kv, group.block_table, group.context_lens, self.block_size, self.scale)
+        return out.view(q.shape[0], self.num_heads, self.head_dim)
+
+
 class FlashAttnBackend(AttentionBackend):
     """CUDA only: flash-attn's paged KV kernel, cache ``[2, num_blocks, block_size, Hkv, D]``.
 
@@ -327,7 +350,15 @@ def select_backend(
     name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> AttentionBackend:
     """``auto``: on CUDA flash-attn's paged kernel when importable and the block size allows, else SDPA;
-    on CPU the torch backend."""
+    on CPU the compiled kernel when it builds here, else the torch backend."""
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from engine import cpu_ops
+
+        ops = cpu_ops.load()
+        if ops is not None:
+            return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, ops)
+        if name == "cpu":
+            raise ValueError("attention_backend 'cpu' needs the CPU kernels, which could not be built here")
     if name == "auto":
         if device.type != "cuda":
             name = "torch"
@@ -341,4 +372,6 @@ def select_backend(
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     if name == "sdpa":
         return SdpaAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, sdpa or flash_attn")
+    if name == "cpu":
+        raise ValueError("attention_backend 'cpu' needs device cpu")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch, sdpa or flash_attn")

@@ -156,7 +156,7 @@ class EngineConfig:
     # Consumer role: push full blocks of generated tokens to the connector as they fill, so that a
     # request moved to another worker pulls its KV instead of recomputing it.
     push_generated_blocks: bool = False
-    attention_backend: str = "auto"  # "auto", "torch", "sdpa", "flash_attn"
+    attention_backend: str = "auto"  # "auto", "cpu", "torch", "sdpa", "flash_attn"
     num_threads: int | None = None
     seed: int = 0
     model_config: ModelConfig | None = field(default=None, repr=False)

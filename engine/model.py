@@ -2,7 +2,9 @@
 
 Tokens of every scheduled request are concatenated into one flat stream; the
 attention backend uses the step's metadata to keep requests apart. Q/K/V and
-gate/up projections are fused into single matmuls to cut per-op overhead.
+gate/up projections are fused into single matmuls to cut per-op overhead, and
+each residual add is fused with the norm that follows it. The arithmetic goes
+through ``engine.kernels`` (compiled CPU kernels, or eager torch).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.kernels import TorchKernels
 
 
 class LayerWeights:
@@ -35,6 +38,7 @@ class LlamaModel:
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_len: int,
+        kernels: TorchKernels | None = None,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -44,6 +48,7 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
+        self.kernels = kernels or TorchKernels()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,34 +67,32 @@ class LlamaModel:
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
-        cfg = self.config
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)
+        cfg, ops = self.config, self.kernels
+        rope = ops.rope_tables(self.cos, self.sin, positions)
+        x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         n = x.shape[0]
-        eps = cfg.rms_norm_eps
-        hidden = (cfg.hidden_size,)
         qk_heads = cfg.num_heads + cfg.num_kv_heads
+        delta = None  # what the last sub-block adds to the residual stream
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = F.rms_norm(x, hidden, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, cfg.head_dim), cos, sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            h = self._norm(x, delta, layer.input_norm)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+            ops.rope_(qkv, rope, qk_heads, cfg.head_dim)
+            q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            x = x + F.linear(attn.forward(q, k, v, kv, meta), layer.o_proj)
-            h = F.rms_norm(x, hidden, layer.post_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return F.rms_norm(x, hidden, self.norm, eps)
+            delta = ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj)
+            h = self._norm(x, delta, layer.post_norm)
+            delta = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        return self._norm(x, delta, self.norm)
+
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if delta is None:
+            return self.kernels.rms_norm(x, weight, eps)
+        return self.kernels.add_rms_norm_(x, delta, weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, as in Hugging Face's Llama (not the interleaved variant)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return self.kernels.linear(hidden, self.lm_head).float()
 
 
 def rope_cache(

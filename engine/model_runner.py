@@ -6,6 +6,7 @@ import torch
 
 from engine.attention import build_metadata, select_backend
 from engine.config import EngineConfig
+from engine.kernels import select_kernels
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 
@@ -26,6 +27,7 @@ class ModelRunner:
             config.load_format,
             config.seed,
         )
+        self.model.kernels = select_kernels(self.device)
         self.attn = select_backend(
             config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size
         )
@@ -80,7 +82,7 @@ class ModelRunner:
             offset += s.num_tokens
             if s.samples:
                 sample_rows.append(offset - 1)
-        meta = build_metadata(spans, self.block_size, self.device)
+        meta = build_metadata(spans, self.block_size, self.device, self.attn.groups_by_length)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)

@@ -53,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=env_default("--scheduling-policy", "fcfs"),
                    choices=["fcfs", "priority"], help="priority: lower value first, ties by arrival")
     g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"),
-                   choices=["auto", "torch", "sdpa", "flash_attn"])
+                   choices=["auto", "cpu", "torch", "sdpa", "flash_attn"])
     g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
 
 
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="convert again even if the model is there")
     fetch.set_defaults(func=_cmd_fetch)
 
+    kernels = sub.add_parser("build-kernels", help="compile the CPU kernels for this machine into TANDEM_HOME")
+    kernels.set_defaults(func=_cmd_build_kernels)
+
     gen = sub.add_parser("generate", help="stream an answer to a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--local", action="store_true", help="run the engine in this process (engine flags apply)")
@@ -218,6 +221,19 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
         print(f"tandem fetch-model: {exc}", file=sys.stderr)
         return 1
     print(path)
+    return 0
+
+
+def _cmd_build_kernels(args: argparse.Namespace) -> int:
+    from engine import cpu_ops
+
+    try:
+        cpu_ops.build()
+    except Exception as exc:
+        print(f"tandem build-kernels: {exc}\nthe engine will run plain torch ops on CPU (slower decode)",
+              file=sys.stderr)
+        return 1
+    print(cpu_ops.build_dir())
     return 0
 
 

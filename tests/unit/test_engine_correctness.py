@@ -131,7 +131,7 @@ def test_attention_backends_agree(tiny_llama, dtype, atol, steps):
     """
     prompts = mixed_prompts(3, 256, 10, 50, seed=4)
     results = {}
-    for backend in ("torch", "sdpa"):
+    for backend in ("torch", "sdpa", "cpu"):
         engine = Engine.from_model(str(tiny_llama), num_kv_blocks=32, dtype=dtype, attention_backend=backend)
         ids = [engine.add_request(p, SamplingParams(max_tokens=steps, temperature=0, logprobs=3, ignore_eos=True))
                for p in prompts]
@@ -140,21 +140,23 @@ def test_attention_backends_agree(tiny_llama, dtype, atol, steps):
             for out in engine.step():
                 collected[out.request_id] += out.new_logprobs
         results[backend] = [collected[i] for i in ids]
-    for ref, other in zip(results["torch"], results["sdpa"], strict=True):
-        assert [s.token_id for s in ref] == [s.token_id for s in other]
-        for a, b in zip(ref, other, strict=True):
-            assert abs(a.logprob - b.logprob) < atol
+    for name in ("sdpa", "cpu"):
+        for ref, other in zip(results["torch"], results[name], strict=True):
+            assert [s.token_id for s in ref] == [s.token_id for s in other]
+            for a, b in zip(ref, other, strict=True):
+                assert abs(a.logprob - b.logprob) < atol
 
 
 def test_decodes_grouped_by_length_match_transformers(tiny_llama):
-    """20 decodes from 3 to 200 tokens of context: attended in several length groups."""
+    """20 decodes from 3 to 200 tokens of context: attended in several length groups (the torch
+    backend's way; the CPU kernel reads each sequence's own length and needs no groups)."""
     from engine.attention import group_by_length
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (3, 5, 8, 12, 20, 30, 45, 60, 80, 100) * 2]
     decodes = [(i, len(p) + 1, torch.tensor([0])) for i, p in enumerate(prompts)]
     assert len(group_by_length(decodes)) > 1
-    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=256)
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=256, attention_backend="torch")
     outs = run_engine(engine, prompts, [12] * len(prompts))
     hf = load_hf(tiny_llama)
     assert outs == [hf_greedy(hf, p, 12) for p in prompts]

@@ -1,0 +1,66 @@
+"""The CPU kernels of ``engine/csrc/cpu_ops.cpp``, compiled once per machine and cached.
+
+They are built with the machine's compiler for its own instruction set (``-march=native``),
+so the build happens here rather than in a wheel: on first use, or ahead of time with
+``tandem build-kernels`` (``make model`` runs it). Builds go to ``$TANDEM_HOME/kernels``
+(``~/.cache/tandem/kernels``), keyed by the source's hash and this CPU's feature flags (a cache
+shared between machines never hands one a build for another's instruction set); concurrent
+builds from several processes wait on torch's build lock. ``TANDEM_CPU_KERNELS=0`` turns them
+off, and the engine then runs the same model in plain torch ops; so does a machine without a
+compiler, with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
+def enabled() -> bool:
+    return os.environ.get("TANDEM_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def build_dir() -> Path:
+    from tandem.model_fetch import tandem_home
+
+    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    return tandem_home() / "kernels" / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build() -> ModuleType:
+    """Compile (or load the cached build of) the kernels; raises when the toolchain fails."""
+    import torch.utils.cpp_extension as ext
+
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    return ext.load(name="tandem_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
+
+
+@cache
+def load() -> ModuleType | None:
+    """The kernels, or None when turned off or when they cannot be built here (with a warning)."""
+    if not enabled():
+        return None
+    try:
+        return build()
+    except Exception as exc:  # no compiler, no headers: plain torch ops still serve the model
+        log.warning("CPU kernels unavailable, using plain torch ops (slower decode): %s", exc)
+        return None

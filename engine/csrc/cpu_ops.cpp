@@ -1,0 +1,513 @@
+// CPU kernels for the decode path: the steps that eager PyTorch runs as many small ops or as
+// kernels tuned for large matrices.
+//
+// - linear: y = x W^T (+ b) streaming each weight row once per 4 rows of x. Decode reads every
+//   weight once per step, so it is bound by memory bandwidth, which oneDNN's small-M paths leave
+//   partly unused, bfloat16 ones on CPUs without bf16 dot products most (there its GEMMs are
+//   slow at any M, and this kernel serves every bfloat16 matmul).
+// - paged_decode_attention: one query token per sequence over its paged K/V, read in place from
+//   the cache (no gather copy), grouped-query heads sharing each K/V row load.
+// - rms_norm / add_rms_norm_ / silu_mul / rope_ / write_kv_: fused element-wise work that eager
+//   mode spends 4-6 ops on, each a pass over memory plus dispatch overhead.
+//
+// Rounding follows Hugging Face's Llama in the tensor's dtype wherever it rounds between ops
+// (RMSNorm's normalised value before the weight, SiLU before the product, each RoPE product),
+// so that bfloat16 results stay within rounding of the reference; accumulation is float32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using bf16_t = uint16_t;
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+template <>
+inline bf16_t from_float<bf16_t>(float v) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16_t>(u >> 16);
+}
+
+// Rounds a float32 value to T's precision and back (identity for float).
+template <typename T>
+inline float round_to(float v) { return to_float(from_float<T>(v)); }
+
+template <typename T>
+inline const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+template <typename T>
+inline T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// Calls fn.template operator()<T>() with T = float or bf16_t for the tensor's dtype.
+template <typename Fn>
+void dispatch(const torch::Tensor& t, const char* op, Fn&& fn) {
+  if (t.scalar_type() == torch::kFloat) {
+    fn(float{});
+  } else if (t.scalar_type() == torch::kBFloat16) {
+    fn(bf16_t{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 tensors only, got ", t.scalar_type());
+  }
+}
+
+void check_cpu(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+}
+
+constexpr int64_t LANES = 16;  // one AVX-512 register of float32
+constexpr int ROWS = 4;        // weight rows per block: each loaded x vector serves all of them
+constexpr int MAX_TILE = 4;    // rows of x per tile: each loaded weight vector serves all of them
+// How far ahead bfloat16 rows are prefetched: their rows are short streams (1 KB for K = 576)
+// that the hardware prefetcher does not ramp up on (+10% measured); float32 rows gain nothing.
+constexpr int PREFETCH_BYTES = 1024;
+
+// x as the kernels read it: float32 rows, and for bfloat16 weights with K % 32 == 0 the same rows
+// de-interleaved into even and odd columns (see dot_pairs).
+struct XRows {
+  const float* x;   // [M, K]
+  const float* xe;  // [M, K / 2] or null
+  const float* xo;
+  int64_t K;
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename W>
+inline void prefetch_rows(const W* w, int64_t K, int64_t k) {
+  for (int r = 0; r < ROWS; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
+// out[r][m] = dot(weight row r, x row m) for ROWS weight rows and M rows of x; independent
+// accumulators keep the FMA pipes and the memory streams busy.
+template <typename W, int M>
+inline void dot_block(const W* w, const float* x, int64_t K, float* out) {
+  __m512 acc[ROWS][M];
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 wv = load16(w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(acc[r][m]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(to_float(w[r * K + kk]), x[m * K + kk], s);
+      out[r * M + m] = s;
+    }
+}
+
+// bfloat16 weights 32 per load: the even columns are the low half of each 32-bit lane (shifted
+// up), the odd ones the high half (masked), so one load, a shift and an AND feed two FMAs,
+// against x de-interleaved the same way. Half the instructions of converting 16 at a time.
+template <int M>
+inline void dot_pairs(const bf16_t* w, const float* xe, const float* xo, int64_t K, float* out) {
+  __m512 acc[ROWS][M];
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t half = K / 2;
+  for (int64_t k = 0; k < K; k += 32) {
+    prefetch_rows(w, K, k);
+    __m512 ev[M], od[M];
+    for (int m = 0; m < M; ++m) {
+      ev[m] = _mm512_loadu_ps(xe + m * half + k / 2);
+      od[m] = _mm512_loadu_ps(xo + m * half + k / 2);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i v = _mm512_loadu_si512(w + r * K + k);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wo, od[m], _mm512_fmadd_ps(we, ev[m], acc[r][m]));
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+constexpr bool HAVE_PAIRS = true;
+#else
+template <typename W, int M>
+inline void dot_block(const W* w, const float* x, int64_t K, float* out) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += to_float(w[r * K + k]) * x[m * K + k];
+      out[r * M + m] = s;
+    }
+}
+template <int M>
+inline void dot_pairs(const bf16_t*, const float*, const float*, int64_t, float*) {}
+constexpr bool HAVE_PAIRS = false;
+#endif
+
+// One block of ROWS weight rows against M rows of x starting at row m0.
+template <typename W, int M>
+inline void block(const W* w, const XRows& x, int64_t m0, float* out) {
+  if constexpr (std::is_same_v<W, bf16_t>) {
+    if (x.xe) return dot_pairs<M>(w, x.xe + m0 * x.K / 2, x.xo + m0 * x.K / 2, x.K, out);
+  }
+  dot_block<W, M>(w, x.x + m0 * x.K, x.K, out);
+}
+
+template <typename W, int MT>
+inline void tile(const W* wb, const XRows& x, int64_t m0, int rows, const W* bias, int64_t n, int64_t N, W* y) {
+  float r[ROWS * MT];
+  block<W, MT>(wb, x, m0, r);
+  for (int i = 0; i < rows; ++i) {
+    const float b = bias ? to_float(bias[n + i]) : 0.f;
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n + i] = from_float<W>(r[i * MT + m] + b);
+  }
+}
+
+// Weight blocks [b0, b1) (ROWS rows each) against every row of x, MAX_TILE rows of x at a time
+// while the block stays in L1.
+template <typename W>
+void linear_blocks(const W* w, const XRows& x, int64_t M, const W* bias, int64_t N, int64_t b0, int64_t b1, W* y) {
+  const int64_t K = x.K;
+  std::vector<W> padded;  // the last block when N % ROWS != 0: zero rows keep the kernels branch-free
+  for (int64_t bi = b0; bi < b1; ++bi) {
+    const int64_t n = bi * ROWS;
+    const int rows = static_cast<int>(std::min<int64_t>(ROWS, N - n));
+    const W* wb = w + n * K;
+    if (rows < ROWS) {
+      padded.assign(ROWS * K, W{});
+      std::copy(wb, wb + rows * K, padded.begin());
+      wb = padded.data();
+    }
+    int64_t m0 = 0;
+    for (; m0 + MAX_TILE <= M; m0 += MAX_TILE) tile<W, MAX_TILE>(wb, x, m0, rows, bias, n, N, y);
+    switch (M - m0) {
+      case 1: tile<W, 1>(wb, x, m0, rows, bias, n, N, y); break;
+      case 2: tile<W, 2>(wb, x, m0, rows, bias, n, N, y); break;
+      case 3: tile<W, 3>(wb, x, m0, rows, bias, n, N, y); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K], weight [N, K] (nn.Linear's layout), bias [N] or none -> [M, N], accumulated in float32.
+// Each weight row is read once per MAX_TILE rows of x, so this is the kernel for decode's few
+// rows; a large M is better served by a GEMM, except with bfloat16 weights on CPUs without
+// bfloat16 dot products, where oneDNN's bf16 GEMM runs at a fraction of its float32 speed.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: shape mismatch");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x and weight dtypes differ");
+  TORCH_CHECK(weight.is_contiguous(), "linear: weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xf = x.to(torch::kFloat).contiguous();
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias must have one value per output");
+    b = bias->to(x.scalar_type()).contiguous();
+  }
+  dispatch(x, "linear", [&](auto tag) {
+    using W = decltype(tag);
+    XRows rows{xf.data_ptr<float>(), nullptr, nullptr, K};
+    torch::Tensor split;
+    if (std::is_same_v<W, bf16_t> && HAVE_PAIRS && K % 32 == 0) {
+      // [M, K/32, 16, 2] -> [2, M, K/32, 16]: even columns, then odd ones.
+      split = xf.view({M, K / 32, 16, 2}).permute({3, 0, 1, 2}).contiguous();
+      rows.xe = split.data_ptr<float>();
+      rows.xo = rows.xe + M * K / 2;
+    }
+    const W* bp = b.defined() ? ptr<W>(b) : nullptr;
+    const W* wp = ptr<W>(weight);
+    W* yp = mut_ptr<W>(y);
+    at::parallel_for(0, (N + ROWS - 1) / ROWS, 16, [&](int64_t b0, int64_t b1) {
+      linear_blocks<W>(wp, rows, M, bp, N, b0, b1, yp);
+    });
+  });
+  return y;
+}
+
+
+namespace {
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, float eps, int64_t H, T* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = to_float(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, float eps, int64_t rows, int64_t H, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * H, w, eps, H, out + r * H);
+  });
+}
+
+}  // namespace
+
+// RMSNorm of x [T, H] (contiguous): float32 statistics, the normalised value rounded to the
+// dtype before the weight multiplies it (Hugging Face's LlamaRMSNorm).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "rms_norm: x [T, H] contiguous, weight [H]");
+  auto out = torch::empty_like(x);
+  auto w = weight.to(x.scalar_type()).contiguous();
+  dispatch(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows(ptr<T>(x), ptr<T>(w), static_cast<float>(eps), x.size(0), x.size(1), mut_ptr<T>(out));
+  });
+  return out;
+}
+
+// residual += delta (rounded to the dtype, as an eager add is), then RMSNorm of the new residual.
+torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+  check_cpu(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && residual.dim() == 2, "add_rms_norm_: residual [T, H] contiguous");
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: delta must match residual");
+  auto d = delta.contiguous();
+  auto out = torch::empty_like(residual);
+  auto w = weight.to(residual.scalar_type()).contiguous();
+  const int64_t H = residual.size(1);
+  dispatch(residual, "add_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    T* r = mut_ptr<T>(residual);
+    const T* dp = ptr<T>(d);
+    const T* wp = ptr<T>(w);
+    T* o = mut_ptr<T>(out);
+    at::parallel_for(0, residual.size(0), 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        T* rr = r + row * H;
+        for (int64_t i = 0; i < H; ++i) rr[i] = from_float<T>(to_float(rr[i]) + to_float(dp[row * H + i]));
+        rms_norm_row(rr, wp, static_cast<float>(eps), H, o + row * H);
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], SiLU rounded to the dtype first.
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up [T, 2I]");
+  auto gu = gate_up.contiguous();
+  const int64_t T_ = gu.size(0), I = gu.size(1) / 2;
+  auto out = torch::empty({T_, I}, gu.options());
+  dispatch(gu, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = ptr<T>(gu);
+    T* dst = mut_ptr<T>(out);
+    at::parallel_for(0, T_ * I, 4096, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t row = i / I, col = i % I;
+        const float g = to_float(src[row * 2 * I + col]);
+        const float s = round_to<T>(g / (1.f + std::exp(-g)));
+        dst[i] = from_float<T>(s * to_float(src[row * 2 * I + I + col]));
+      }
+    });
+  });
+  return out;
+}
+
+// In place: rotate-half RoPE on the first `num_heads` heads (of `head_dim`) of every row of
+// qkv [T, W] (rows may be strided), at positions [T], from cos/sin tables [max_len, head_dim].
+void rope_(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+           int64_t num_heads, int64_t head_dim) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= num_heads * head_dim, "rope_: qkv [T, W]");
+  TORCH_CHECK(head_dim % 2 == 0 && cos.size(1) == head_dim && sin.size(1) == head_dim, "rope_: tables [L, head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type(), "rope_: tables");
+  auto pos = positions.to(torch::kLong).contiguous();
+  const int64_t T_ = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2, max_len = cos.size(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_len, "rope_: position out of range");
+  dispatch(qkv, "rope_", [&](auto tag) {
+    using T = decltype(tag);
+    T* base = mut_ptr<T>(qkv);
+    const T* cp = ptr<T>(cos);
+    const T* sp = ptr<T>(sin);
+    at::parallel_for(0, T_ * num_heads, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / num_heads, h = i % num_heads;
+        T* x = base + t * stride + h * head_dim;
+        const T* c = cp + pp[t] * head_dim;
+        const T* s = sp + pp[t] * head_dim;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+          const float a1 = round_to<T>(x1 * to_float(c[j])), b1 = round_to<T>(-x2 * to_float(s[j]));
+          const float a2 = round_to<T>(x2 * to_float(c[j + half])), b2 = round_to<T>(x1 * to_float(s[j + half]));
+          x[j] = from_float<T>(a1 + b1);
+          x[j + half] = from_float<T>(a2 + b2);
+        }
+      }
+    });
+  });
+}
+
+// The cache of one layer is [2, Hkv, slots, D]. Writes k and v [T, Hkv, D] (rows may be strided,
+// heads contiguous) into slots [T].
+void write_kv_(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots) {
+  check_cpu(cache, "cache");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "write_kv_: cache [2, Hkv, S, D]");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == cache.size(1) && k.size(2) == cache.size(3),
+              "write_kv_: k/v [T, Hkv, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "write_kv_: k/v heads must be contiguous");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(), "write_kv_: dtype");
+  auto sl = slots.to(torch::kLong).contiguous();
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2), S = cache.size(2);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_: slot out of range");
+  const int64_t bytes = D * cache.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = cache.element_size();
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(dst + ((0 * H + h) * S + sp[t]) * bytes, kp + (t * k.stride(0) + h * D) * es, bytes);
+      std::memcpy(dst + ((1 * H + h) * S + sp[t]) * bytes, vp + (t * v.stride(0) + h * D) * es, bytes);
+    }
+  }
+}
+
+namespace {
+
+template <typename T>
+void attend_one(const T* q, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table, int64_t block_size,
+                int64_t len, float scale, float* scores, float* acc, T* out) {
+  // q: G query heads [G, D] sharing this K/V head; kc/vc: this head's [slots, D].
+  std::vector<float> qf(G * D);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* krow = kc + slot * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[d]);
+      scores[g * len + t] = s * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    const float mx = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += (sg[t] = std::exp(sg[t] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* vrow = vc + slot * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, to_float(vrow[d]), a[d]);
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = from_float<T>(acc[i]);
+}
+
+}  // namespace
+
+// One query token per sequence: q [B, Hq, D] (rows may be strided), cache [2, Hkv, slots, D],
+// block_table [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq * D].
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_table,
+                                     const torch::Tensor& context_lens, int64_t block_size, double scale) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode_attention: q [B, Hq, D]");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous() && cache.size(3) == q.size(2),
+              "paged_decode_attention: cache [2, Hkv, slots, D]");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged_decode_attention: q and cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && context_lens.scalar_type() == torch::kInt,
+              "paged_decode_attention: int32 block_table and context_lens");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = cache.size(1), S = cache.size(2);
+  TORCH_CHECK(Hq % Hkv == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_table.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: batch mismatch");
+  auto table = block_table.contiguous();
+  auto lens = context_lens.contiguous();
+  const int64_t max_blocks = table.size(1), G = Hq / Hkv, q_stride = q.stride(0);
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && (lp[b] + block_size - 1) / block_size <= max_blocks, "paged_decode_attention: context length");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * max_blocks + i] >= 0 && (tp[b * max_blocks + i] + 1) * block_size <= S,
+                  "paged_decode_attention: block id out of range");
+  }
+  auto out = torch::empty({B, Hq * D}, q.options());
+  dispatch(q, "paged_decode_attention", [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = ptr<T>(q);
+    const T* kp = ptr<T>(cache);
+    const T* vp = kp + Hkv * S * D;
+    T* op = mut_ptr<T>(out);
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, acc(G * D);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / Hkv, h = i % Hkv, len = lp[b];
+        scores.resize(G * len);
+        attend_one<T>(qp + b * q_stride + h * G * D, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks,
+                      block_size, len, static_cast<float>(scale), scores.data(), acc.data(), op + b * Hq * D + h * G * D);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+  m.attr("NATIVE_BF16") = true;
+#else
+  m.attr("NATIVE_BF16") = false;
+#endif
+  m.def("linear", &linear, "x W^T (+ b), float32 accumulation, each weight row read once per 4 rows of x");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H]");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of the residual");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
+  m.def("rope_", &rope_, "rotate-half RoPE in place on the leading heads of each row");
+  m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
+  m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
+}

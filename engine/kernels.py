@@ -1,0 +1,97 @@
+"""The model's non-attention building blocks, in two implementations with the same results.
+
+``TorchKernels`` is portable eager PyTorch (any device). ``CpuKernels`` runs the decode-heavy
+pieces through the compiled kernels of ``engine.cpu_ops``: matrix-vector products that stream
+each weight once, and fused norm / activation / RoPE passes; eager mode spends 4-6 ops and as
+many passes over memory on each, which at batch size 1 costs about as much as the weights.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchKernels:
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm_(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += delta`` in place, then the norm of the new residual."""
+        residual.add_(delta)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        """Per-step RoPE inputs, computed once and shared by every layer."""
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rope_(self, qkv: torch.Tensor, tables: Any, num_heads: int, head_dim: int) -> None:
+        """Rotate the first ``num_heads`` heads (queries, then keys) of every row in place."""
+        qk = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        qk.copy_(apply_rope(qk, *tables))
+
+
+SMALL_M = 16  # rows of x up to which the streaming kernel beats oneDNN's float32 GEMM (measured)
+
+
+class CpuKernels(TorchKernels):
+    name = "cpu"
+
+    def __init__(self, ops: ModuleType) -> None:
+        self.ops = ops
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        if x.shape[0] <= SMALL_M or (x.dtype == torch.bfloat16 and not self.ops.NATIVE_BF16):
+            return self.ops.linear(x, weight, bias)
+        return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.ops.add_rms_norm_(residual, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        return positions, cos, sin
+
+    def rope_(self, qkv: torch.Tensor, tables: Any, num_heads: int, head_dim: int) -> None:
+        self.ops.rope_(qkv, *tables, num_heads, head_dim)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, as in Hugging Face's Llama (not the interleaved variant)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def select_kernels(device: torch.device) -> TorchKernels:
+    """The compiled CPU kernels on CPU when they build here (and ``TANDEM_CPU_KERNELS`` allows),
+    else eager torch."""
+    if device.type != "cpu":
+        return TorchKernels()
+    from engine import cpu_ops
+
+    ops = cpu_ops.load()
+    return CpuKernels(ops) if ops is not None else TorchKernels()

@@ -1,0 +1,195 @@
+"""The compiled CPU kernels against the eager torch code they replace, op by op and end to end.
+
+float32 results must agree to rounding of the summation order; bfloat16 ones to one rounding
+of the output. The engine's own greedy-equals-transformers tests run on these kernels too
+(they are the CPU default); here each kernel is also checked on the shapes the model never
+produces (remainders, biases, strided rows) and on bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams, cpu_ops
+from engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, build_metadata
+from engine.kernels import CpuKernels, TorchKernels
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the CPU kernels must build on the CI machine (gcc and torch headers)"
+    return module
+
+
+@pytest.fixture(scope="module")
+def kernels(ops):
+    return CpuKernels(ops), TorchKernels()
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 40])  # tiles of 4 rows of x, and remainders
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (64, 13, True), (70, 13, True), (16, 4, False)])
+def test_linear(ops, dtype, tol, rows, k, n, bias):
+    """k % 32 == 0 takes bfloat16's paired loads; n % 4 != 0 a padded last block of weights."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    close(ops.linear(x, w, b), want, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_norms_and_activation(kernels, dtype, tol, rows):
+    cpu, ref = kernels
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    delta = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (1 + torch.randn(96, generator=g) / 4).to(dtype)
+    close(cpu.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), tol)
+    r_cpu, r_ref = x.clone(), x.clone()
+    close(cpu.add_rms_norm_(r_cpu, delta, w, 1e-5), ref.add_rms_norm_(r_ref, delta, w, 1e-5), tol)
+    assert torch.equal(r_cpu, r_ref), "the residual is updated in place, rounded as an eager add"
+    gate_up = torch.randn(rows, 2 * 48, generator=g).to(dtype) * 4
+    close(cpu.silu_mul(gate_up), ref.silu_mul(gate_up), tol)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_rope_in_place_on_strided_rows(kernels, dtype, tol):
+    """q and k heads rotated in place inside the fused qkv rows; v untouched."""
+    cpu, ref = kernels
+    heads, dim, width = 5, 32, 7 * 32  # 5 rotated heads (q + k), 2 value heads
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, width, generator=g).to(dtype)
+    pos = torch.tensor([0, 1, 2, 3, 50, 51, 52, 99, 7, 8, 9])
+    angles = torch.arange(100)[:, None] * (1e4 ** (-torch.arange(0, dim, 2) / dim))[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    a, b = qkv.clone(), qkv.clone()
+    cpu.rope_(a, cpu.rope_tables(cos, sin, pos), heads, dim)
+    ref.rope_(b, ref.rope_tables(cos, sin, pos), heads, dim)
+    close(a, b, tol)
+    assert torch.equal(a[:, heads * dim :], qkv[:, heads * dim :])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu.rope_(a, cpu.rope_tables(cos, sin, torch.full((11,), 100)), heads, dim)
+
+
+def _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim=32, block_size=4, seed=0):
+    """A cache filled with random K/V and, for each sequence, a shuffled set of blocks."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    spans, start = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        spans.append((n - 1, 1, order[start : start + need]))  # one new token after n - 1 cached
+        start += need
+    cache = torch.randn(2, num_kv_heads, num_blocks * block_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    return cache, q, spans
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4), (9, 3)])
+def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads):
+    lens = [1, 3, 4, 5, 17, 64, 100, 33]
+    cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads)
+    args = (num_heads, num_kv_heads, 32, 4)
+    cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
+    got = cpu.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
+    want = torch.empty_like(q)
+    for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
+        want[group.token_index] = ref.decode(q[group.token_index], cache, group)
+    close(got, want, tol)
+
+
+def test_paged_decode_attention_reads_strided_queries(ops):
+    """The model passes q as a view into the fused qkv rows."""
+    cache, q, spans = _paged_case(torch.float32, [9, 30], 6, 2)
+    qkv = torch.cat([q.flatten(1), torch.randn(2, 128)], dim=1)
+    view = qkv[:, : 6 * 32].view(2, 6, 32)
+    group = build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0]
+    backend = CpuPagedAttentionBackend(6, 2, 32, 4, ops)
+    torch.testing.assert_close(backend.decode(view, cache, group), backend.decode(q.contiguous(), cache, group))
+
+
+def test_write_kv_matches_torch(ops):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 3 * 2 * 16, generator=g)  # q: 2 heads, k: 2, v: 2
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([7, 0, 12, 3, 8])
+    a, b = torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16)
+    CpuPagedAttentionBackend(2, 2, 16, 4, ops).write(k, v, a, slots)
+    TorchAttentionBackend(2, 2, 16, 4).write(k, v, b, slots)
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv_(a, k, v, torch.tensor([0, 1, 2, 3, 16]))
+
+
+def test_bad_input_is_an_error_not_a_crash(ops):
+    cache, q, spans = _paged_case(torch.float32, [5], 4, 2)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_decode_attention(q, cache, torch.tensor([[0, 999]], dtype=torch.int32),
+                                   torch.tensor([5], dtype=torch.int32), 4, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.paged_decode_attention(q, cache, table, torch.tensor([0], dtype=torch.int32), 4, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.paged_decode_attention(q, cache, table, torch.tensor([9], dtype=torch.int32), 4, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.linear(torch.ones(1, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64), None)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        ops.linear(torch.ones(1, 4), torch.ones(2, 5), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear(torch.ones(1, 4), torch.ones(2, 4), torch.ones(3))
+
+
+# bfloat16 logits of magnitude 8-16 are 0.0625 apart: two such steps of rounding is the tolerance.
+@pytest.mark.parametrize("dtype, atol, steps", [("float32", 1e-4, 8), ("bfloat16", 0.125, 2)])
+def test_engine_on_kernels_agrees_with_eager_torch(tiny_llama, dtype, atol, steps):
+    """A whole mixed batch (prefills, then decodes of different lengths) through both paths."""
+    import random
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 9, 40, 77)]
+    results = []
+    for backend in ("cpu", "torch"):
+        engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64, dtype=dtype, attention_backend=backend)
+        if backend == "torch":
+            engine.runner.model.kernels = TorchKernels()
+        assert engine.runner.model.kernels.name == backend
+        params = SamplingParams(max_tokens=steps, temperature=0, logprobs=2, ignore_eos=True)
+        ids = [engine.add_request(p, params) for p in prompts]
+        got: dict[str, list] = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.new_logprobs
+        results.append([got[i] for i in ids])
+    for a_steps, b_steps in zip(*results, strict=True):
+        assert [s.token_id for s in a_steps] == [s.token_id for s in b_steps]
+        for a, b in zip(a_steps, b_steps, strict=True):
+            assert abs(a.logprob - b.logprob) < atol
+
+
+def test_kernels_are_the_cpu_default_and_can_be_turned_off(tiny_llama):
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=8)
+    assert (engine.runner.attn.name, engine.runner.model.kernels.name) == ("cpu", "cpu")
+    code = (f"from engine import Engine; e = Engine.from_model({str(tiny_llama)!r}, num_kv_blocks=8); "
+            "print(e.runner.attn.name, e.runner.model.kernels.name)")
+    env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["torch", "torch"]

@@ -222,6 +222,31 @@ void linear_blocks(const W* w, const XRows& x, int64_t M, const W* bias, int64_t
 
 }  // namespace
 
+namespace {
+
+// x in float32, and de-interleaved for dot_pairs when `pairs`, in buffers of the calling thread
+// (decode calls this ~120 times a step: torch ops for it would cost more than some matmuls).
+template <typename W>
+XRows prepare_x(const W* x, int64_t M, int64_t K, bool pairs) {
+  thread_local std::vector<float> buf;
+  buf.resize(M * K);
+  float* f = buf.data();
+  if (!pairs) {
+    for (int64_t i = 0; i < M * K; ++i) f[i] = to_float(x[i]);
+    return {f, nullptr, nullptr, K};
+  }
+  const int64_t half = K / 2;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K / 32; ++c)
+      for (int64_t j = 0; j < 16; ++j) {
+        f[m * half + c * 16 + j] = to_float(x[m * K + c * 32 + 2 * j]);
+        f[M * half + m * half + c * 16 + j] = to_float(x[m * K + c * 32 + 2 * j + 1]);
+      }
+  return {nullptr, f, f + M * half, K};
+}
+
+}  // namespace
+
 // x [M, K], weight [N, K] (nn.Linear's layout), bias [N] or none -> [M, N], accumulated in float32.
 // Each weight row is read once per MAX_TILE rows of x, so this is the kernel for decode's few
 // rows; a large M is better served by a GEMM, except with bfloat16 weights on CPUs without
@@ -234,7 +259,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto xf = x.to(torch::kFloat).contiguous();
+  auto xc = x.contiguous();
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias must have one value per output");
@@ -242,14 +267,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   }
   dispatch(x, "linear", [&](auto tag) {
     using W = decltype(tag);
-    XRows rows{xf.data_ptr<float>(), nullptr, nullptr, K};
-    torch::Tensor split;
-    if (std::is_same_v<W, bf16_t> && HAVE_PAIRS && K % 32 == 0) {
-      // [M, K/32, 16, 2] -> [2, M, K/32, 16]: even columns, then odd ones.
-      split = xf.view({M, K / 32, 16, 2}).permute({3, 0, 1, 2}).contiguous();
-      rows.xe = split.data_ptr<float>();
-      rows.xo = rows.xe + M * K / 2;
-    }
+    const XRows rows = prepare_x(ptr<W>(xc), M, K, std::is_same_v<W, bf16_t> && HAVE_PAIRS && K % 32 == 0);
     const W* bp = b.defined() ? ptr<W>(b) : nullptr;
     const W* wp = ptr<W>(weight);
     W* yp = mut_ptr<W>(y);
@@ -336,12 +354,16 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     using T = decltype(tag);
     const T* src = ptr<T>(gu);
     T* dst = mut_ptr<T>(out);
-    at::parallel_for(0, T_ * I, 4096, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = i / I, col = i % I;
-        const float g = to_float(src[row * 2 * I + col]);
-        const float s = round_to<T>(g / (1.f + std::exp(-g)));
-        dst[i] = from_float<T>(s * to_float(src[row * 2 * I + I + col]));
+    at::parallel_for(0, T_, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        const T* gate = src + row * 2 * I;
+        const T* up = gate + I;
+        T* o = dst + row * I;
+#pragma omp simd
+        for (int64_t c = 0; c < I; ++c) {
+          const float g = to_float(gate[c]);
+          o[c] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[c]));
+        }
       }
     });
   });

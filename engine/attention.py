@@ -10,6 +10,7 @@ every layer, so per-layer work is only the kernel calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -281,7 +282,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     groups_by_length = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, ops) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, ops: ModuleType) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.ops = ops
 

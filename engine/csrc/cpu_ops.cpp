@@ -221,10 +221,6 @@ void linear_blocks(const W* w, const XRows& x, int64_t M, const W* bias, int64_t
   }
 }
 
-}  // namespace
-
-namespace {
-
 // x in float32, and de-interleaved for dot_pairs when `pairs`, in buffers of the calling thread
 // (decode calls this ~120 times a step: torch ops for it would cost more than some matmuls).
 template <typename W>
@@ -294,54 +290,50 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t H, T* out) {
   for (int64_t i = 0; i < H; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
 }
 
+// RMSNorm of each row of x [rows, H] into out; with `delta`, x += delta first (in place, rounded
+// to the dtype as an eager add is), so the residual add and the norm after it are one pass.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, float eps, int64_t rows, int64_t H, T* out) {
+void norm_rows(T* x, const T* delta, const T* w, float eps, int64_t rows, int64_t H, T* out) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * H, w, eps, H, out + r * H);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * H;
+      if (delta)
+        for (int64_t i = 0; i < H; ++i) xr[i] = from_float<T>(to_float(xr[i]) + to_float(delta[r * H + i]));
+      rms_norm_row(xr, w, eps, H, out + r * H);
+    }
   });
+}
+
+torch::Tensor norm(torch::Tensor& x, const torch::Tensor* delta, const torch::Tensor& weight, double eps, const char* op) {
+  check_cpu(x, op);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), op, ": x [T, H] contiguous, weight [H]");
+  torch::Tensor d;
+  if (delta) {
+    TORCH_CHECK(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(), op, ": delta must match x");
+    d = delta->contiguous();
+  }
+  auto out = torch::empty_like(x);
+  auto w = weight.to(x.scalar_type()).contiguous();
+  dispatch(x, op, [&](auto tag) {
+    using T = decltype(tag);
+    norm_rows(mut_ptr<T>(x), d.defined() ? ptr<T>(d) : nullptr, ptr<T>(w), static_cast<float>(eps), x.size(0),
+              x.size(1), mut_ptr<T>(out));
+  });
+  return out;
 }
 
 }  // namespace
 
 // RMSNorm of x [T, H] (contiguous): float32 statistics, the normalised value rounded to the
-// dtype before the weight multiplies it (Hugging Face's LlamaRMSNorm).
+// dtype before the weight multiplies it (Hugging Face's LlamaRMSNorm). x is not written.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "rms_norm: x [T, H] contiguous, weight [H]");
-  auto out = torch::empty_like(x);
-  auto w = weight.to(x.scalar_type()).contiguous();
-  dispatch(x, "rms_norm", [&](auto tag) {
-    using T = decltype(tag);
-    rms_norm_rows(ptr<T>(x), ptr<T>(w), static_cast<float>(eps), x.size(0), x.size(1), mut_ptr<T>(out));
-  });
-  return out;
+  torch::Tensor view = x;  // norm() writes x only when given a delta
+  return norm(view, nullptr, weight, eps, "rms_norm");
 }
 
 // residual += delta (rounded to the dtype, as an eager add is), then RMSNorm of the new residual.
 torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
-  check_cpu(residual, "residual");
-  TORCH_CHECK(residual.is_contiguous() && residual.dim() == 2, "add_rms_norm_: residual [T, H] contiguous");
-  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
-              "add_rms_norm_: delta must match residual");
-  auto d = delta.contiguous();
-  auto out = torch::empty_like(residual);
-  auto w = weight.to(residual.scalar_type()).contiguous();
-  const int64_t H = residual.size(1);
-  dispatch(residual, "add_rms_norm_", [&](auto tag) {
-    using T = decltype(tag);
-    T* r = mut_ptr<T>(residual);
-    const T* dp = ptr<T>(d);
-    const T* wp = ptr<T>(w);
-    T* o = mut_ptr<T>(out);
-    at::parallel_for(0, residual.size(0), 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t row = r0; row < r1; ++row) {
-        T* rr = r + row * H;
-        for (int64_t i = 0; i < H; ++i) rr[i] = from_float<T>(to_float(rr[i]) + to_float(dp[row * H + i]));
-        rms_norm_row(rr, wp, static_cast<float>(eps), H, o + row * H);
-      }
-    });
-  });
-  return out;
+  return norm(residual, &delta, weight, eps, "add_rms_norm_");
 }
 
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], SiLU rounded to the dtype first.

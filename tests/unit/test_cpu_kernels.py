@@ -18,6 +18,7 @@ import torch
 from engine import Engine, SamplingParams, cpu_ops
 from engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, build_metadata
 from engine.kernels import CpuKernels, TorchKernels
+from tests.unit.test_engine_correctness import assert_same_tokens_close_logprobs, batch_logprobs
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 
@@ -173,16 +174,8 @@ def test_engine_on_kernels_agrees_with_eager_torch(tiny_llama, dtype, atol, step
             engine.runner.model.kernels = TorchKernels()
         assert engine.runner.model.kernels.name == backend
         params = SamplingParams(max_tokens=steps, temperature=0, logprobs=2, ignore_eos=True)
-        ids = [engine.add_request(p, params) for p in prompts]
-        got: dict[str, list] = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                got[out.request_id] += out.new_logprobs
-        results.append([got[i] for i in ids])
-    for a_steps, b_steps in zip(*results, strict=True):
-        assert [s.token_id for s in a_steps] == [s.token_id for s in b_steps]
-        for a, b in zip(a_steps, b_steps, strict=True):
-            assert abs(a.logprob - b.logprob) < atol
+        results.append(batch_logprobs(engine, prompts, params))
+    assert_same_tokens_close_logprobs(*results, atol)
 
 
 def test_kernels_are_the_cpu_default_and_can_be_turned_off(tiny_llama):

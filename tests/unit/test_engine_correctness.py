@@ -33,6 +33,23 @@ def top5_logprobs(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     return steps
 
 
+def batch_logprobs(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list]:
+    """Every request's logprobs, step by step, with all of them running in one batch."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    collected: dict[str, list] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            collected[out.request_id] += out.new_logprobs
+    return [collected[i] for i in ids]
+
+
+def assert_same_tokens_close_logprobs(ref: list[list], other: list[list], atol: float) -> None:
+    for ref_steps, other_steps in zip(ref, other, strict=True):
+        assert [s.token_id for s in ref_steps] == [s.token_id for s in other_steps]
+        for a, b in zip(ref_steps, other_steps, strict=True):
+            assert abs(a.logprob - b.logprob) < atol
+
+
 def assert_logprobs_match(steps: list, tokens: list[int], reference: list[torch.Tensor]) -> None:
     """Same greedy tokens, same top-5 ids, top-5 logprobs within 1e-3 (float32)."""
     assert [s.token_id for s in steps] == tokens
@@ -133,18 +150,10 @@ def test_attention_backends_agree(tiny_llama, dtype, atol, steps):
     results = {}
     for backend in ("torch", "sdpa", "cpu"):
         engine = Engine.from_model(str(tiny_llama), num_kv_blocks=32, dtype=dtype, attention_backend=backend)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=steps, temperature=0, logprobs=3, ignore_eos=True))
-               for p in prompts]
-        collected: dict[str, list] = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                collected[out.request_id] += out.new_logprobs
-        results[backend] = [collected[i] for i in ids]
+        params = SamplingParams(max_tokens=steps, temperature=0, logprobs=3, ignore_eos=True)
+        results[backend] = batch_logprobs(engine, prompts, params)
     for name in ("sdpa", "cpu"):
-        for ref, other in zip(results["torch"], results[name], strict=True):
-            assert [s.token_id for s in ref] == [s.token_id for s in other]
-            for a, b in zip(ref, other, strict=True):
-                assert abs(a.logprob - b.logprob) < atol
+        assert_same_tokens_close_logprobs(results["torch"], results[name], atol)
 
 
 def test_decodes_grouped_by_length_match_transformers(tiny_llama):

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from engine.block_hash import weights_digest
 from engine.config import ModelConfig
+from engine.kernels import TorchKernels
 from engine.model import LayerWeights, LlamaModel
 
 Getter = Callable[[str], torch.Tensor | None]
@@ -28,6 +29,7 @@ def load_model(
     max_len: int,
     load_format: str = "auto",
     seed: int = 0,
+    kernels: TorchKernels | None = None,
 ) -> LlamaModel:
     get = _dummy_getter(config, dtype, seed) if load_format == "dummy" else _safetensors_getter(Path(model_dir))
 
@@ -44,7 +46,7 @@ def load_model(
     lm_head = embed if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
     if lm_head is None:
         lm_head = embed  # checkpoints saved with tied weights sometimes omit the flag
-    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len)
+    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels)
 
 
 def _layer(tensor: Callable[..., torch.Tensor | None], i: int, config: ModelConfig) -> LayerWeights:

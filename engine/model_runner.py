@@ -26,8 +26,8 @@ class ModelRunner:
             config.max_model_len,
             config.load_format,
             config.seed,
+            select_kernels(self.device),
         )
-        self.model.kernels = select_kernels(self.device)
         self.attn = select_backend(
             config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size
         )

@@ -1,9 +1,12 @@
 """The workers' side of the kvstore: ``push`` blocks into a store node and ``pull`` them back.
 
 A push is Reserve -> UCX write into the reserved slots -> Commit with each
-block's xxh3-64; a pull is Lookup with a lease -> UCX reads -> checksum check ->
+block's xxh3-64; a pull is Lookup with a lease -> reads -> checksum check ->
 Release. A block whose bytes do not match its checksum reads as a miss (the
-prefix is cut there), never as data.
+prefix is cut there), never as data. A pool on this host is read in place: the
+first Lookup at a node maps its pool through UCX shared memory
+(``kvstore.ucp_memory``, ``kvstore.pool_mappings``) and leased blocks are then
+one copy out of it; other pools are read with UCX transfers.
 
 The store's data plane serves a transfer only under a token of that node's
 (``kvstore.data_plane``): a write under its Reserve's, a read under a lease of
@@ -27,15 +30,27 @@ import xxhash
 
 from kvstore.data_plane import DataPlaneClient
 from kvstore.pool import BlockKey, PartialKey
+from kvstore.pool_mappings import PoolMappings
+from kvstore.ucp_memory import MappedRegion, shared_memory_enabled
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from tandem.service import channel
 
 
 @dataclass(slots=True)
+class ReadGrant:
+    """How a pull reads one node's blocks: its lease token for the data plane, and the node's pool if
+    it is mapped here."""
+
+    token: bytes
+    region: MappedRegion | None
+
+
+@dataclass(slots=True)
 class PullResult:
     blocks: list[np.ndarray]  # the verified prefix, in order
     misses: int  # blocks asked for and not returned (not stored, or failed their checksum)
+    in_place: int = 0  # blocks copied out of a pool mapped here (the rest came over the data plane)
 
 
 def checksum(block: np.ndarray) -> int:
@@ -50,22 +65,27 @@ def _commit_block(slot: int, key: BlockKey, block: np.ndarray) -> pb.CommitBlock
 
 
 class KVStoreClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, shared_memory: bool | None = None) -> None:
+        """``shared_memory``: read pools on this host in place (default: unless ``TANDEM_KV_SHARED_MEMORY=0``)."""
         self.address = address
         self._channel = channel(address)  # mutual TLS when the worker was started with it
         self.stub = pb_grpc.KVStoreStub(self._channel)
         self.data = DataPlaneClient()
+        self.mappings = PoolMappings(shared_memory_enabled() if shared_memory is None else shared_memory)
         self.last_data_address = ""
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.KVStoreStub]] = {}  # other nodes, by gRPC address
 
     async def connect(self, timeout: float = 10.0) -> None:
-        """Open the UCX endpoint to this node now: setting one up takes hundreds of milliseconds,
+        """Open the UCX endpoint to this node and map its pool now: each takes hundreds of milliseconds,
         which would otherwise land on the first request's time to first token."""
         res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=1), timeout=timeout)
         try:
             await self.data.connect(res.data_address)
         finally:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
+        found = await self.stub.Lookup(pb.LookupRequest(map_pool=self.mappings.wants_map(self.address)),
+                                       timeout=timeout)
+        await self.mappings.region_for(self.address, found.pool_id, found.pool_map)  # and map the pool, if it can
 
     async def push(self, blocks: Sequence[tuple[BlockKey, np.ndarray]], timeout: float = 30.0,
                    metadata: Sequence[tuple[str, str]] | None = None) -> int:
@@ -94,37 +114,46 @@ class KVStoreClient:
 
     async def pull(
         self, keys: Sequence[bytes], partials: Sequence[PartialKey] = (), timeout: float = 30.0,
-        metadata: Sequence[tuple[str, str]] | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None, out: Sequence[np.ndarray] | None = None,
     ) -> PullResult:
-        """The longest stored prefix of ``keys`` (then ``partials``, if every key was found)."""
+        """The longest stored prefix of ``keys`` (then ``partials``, if every key was found).
+
+        ``out``: where the blocks go (contiguous uint8 arrays of one block each, one per key and
+        partial, e.g. rows of a staging buffer or views of a cache); the result's blocks are views of
+        them. Without it, fresh arrays.
+        """
+        if out is not None and len(out) < len(keys) + len(partials):
+            raise ValueError(f"{len(out)} destination blocks for {len(keys) + len(partials)} blocks asked for")
         refs = [pb.PartialRef(request_id=r, index=i) for r, i in partials]
-        found = await self.stub.Lookup(pb.LookupRequest(keys=list(keys), partials=refs, lease=True), timeout=timeout,
-                                       metadata=metadata)
+        found = await self.stub.Lookup(pb.LookupRequest(keys=list(keys), partials=refs, lease=True,
+                                                        map_pool=self.mappings.wants_map(self.address)),
+                                       timeout=timeout, metadata=metadata)
         locations = list(found.blocks)
         if len(locations) == len(keys):
             locations += list(found.partials)[: len(partials)]
-        tokens = {found.node_id: found.lease_token}  # node id -> the token its reads go under
         remote: list[tuple[pb_grpc.KVStoreStub, int]] = []  # leases taken on other nodes
         try:
-            locations = await self._lease_elsewhere(locations, found.node_id, tokens, remote, timeout, metadata)
-            blocks = await self._read(locations, tokens)
+            out = _destinations(locations, out)
+            grants = {found.node_id: await self._grant(self.address, found)}  # node id -> how its blocks are read
+            locations = await self._lease_elsewhere(locations, found.node_id, grants, remote, timeout, metadata)
+            verified, in_place = await self._read(locations, grants, out)
         finally:
             await asyncio.gather(*(_release(stub, lease, timeout, metadata) for stub, lease in remote))
             if found.lease_id:
-                await self.stub.Release(pb.ReleaseRequest(lease_id=found.lease_id), timeout=timeout,
-                                        metadata=metadata)
-        verified = []
-        for loc, block in zip(locations, blocks, strict=True):
-            if checksum(block[: loc.length]) != loc.checksum:
-                break
-            verified.append(block[: loc.length])
-        return PullResult(verified, len(keys) + len(partials) - len(verified))
+                await _release(self.stub, found.lease_id, timeout, metadata)
+            self.mappings.expire()
+        n = verified.index(False) if False in verified else len(verified)  # the prefix up to a bad checksum
+        blocks = [out[i][: locations[i].length] for i in range(n)]
+        return PullResult(blocks, len(keys) + len(partials) - n, min(n, in_place))
+
+    async def _grant(self, address: str, found: pb.LookupResponse) -> ReadGrant:
+        return ReadGrant(found.lease_token, await self.mappings.region_for(address, found.pool_id, found.pool_map))
 
     async def _lease_elsewhere(
-        self, locations: list[pb.BlockLocation], here: str, tokens: dict[str, bytes],
+        self, locations: list[pb.BlockLocation], here: str, grants: dict[str, ReadGrant],
         leases: list[tuple[pb_grpc.KVStoreStub, int]], timeout: float, metadata: Sequence[tuple[str, str]] | None,
     ) -> list[pb.BlockLocation]:
-        """Lease the blocks held by nodes other than ``here`` from those nodes (adding their tokens
+        """Lease the blocks held by nodes other than ``here`` from those nodes (adding their grants
         and leases); the prefix of ``locations`` up to the first block that could not be leased."""
         elsewhere: dict[str, list[int]] = defaultdict(list)
         for i, loc in enumerate(locations):
@@ -142,7 +171,7 @@ class KVStoreClient:
             stub, found = answer
             if found.lease_id:
                 leases.append((stub, found.lease_id))
-            tokens[node] = found.lease_token
+            grants[node] = await self._grant(locations[idx[0]].control_address, found)
             held = {b.key: b for b in found.blocks if b.node_id == node}
             for i in idx:
                 loc = held.get(locations[i].key)
@@ -160,9 +189,10 @@ class KVStoreClient:
         if not address:
             return None  # the node does not advertise its control plane: its blocks cannot be leased
         stub = self._peer(address)
+        request = pb.LookupRequest(keys=[loc.key for loc in locations], lease=True,
+                                   map_pool=self.mappings.wants_map(address))
         try:
-            return stub, await stub.Lookup(pb.LookupRequest(keys=[loc.key for loc in locations], lease=True),
-                                           timeout=timeout, metadata=metadata)
+            return stub, await stub.Lookup(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError:  # down, or gone from the index: its blocks read as misses
             return None
 
@@ -174,16 +204,29 @@ class KVStoreClient:
             self._peers[address] = (peer, pb_grpc.KVStoreStub(peer))
         return self._peers[address][1]
 
-    async def _read(self, locations: list[pb.BlockLocation], tokens: dict[str, bytes]) -> list[np.ndarray]:
-        size = max((loc.length for loc in locations), default=0)
-        out = [np.empty(size, dtype=np.uint8) for _ in locations]
+    async def _read(self, locations: list[pb.BlockLocation], grants: dict[str, ReadGrant],
+                    out: Sequence[np.ndarray]) -> tuple[list[bool], int]:
+        """Fill ``out`` with the blocks at ``locations``: whether each one matched its checksum, and how
+        many were read in place.
+
+        Blocks of a pool mapped here are copied out of it in place; the others move over the UCX
+        data plane, one transfer per node.
+        """
+        verified = [False] * len(locations)
+        in_place = 0
         by_node: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, loc in enumerate(locations):
             by_node[loc.node_id, loc.data_address].append(i)
         for (node, address), idx in by_node.items():
-            await self.data.read(address, tokens.get(node, b""), [locations[i].slot for i in idx],
-                                 [out[i] for i in idx])
-        return out
+            grant = grants.get(node, ReadGrant(b"", None))
+            if grant.region is not None and await _copy_mapped(grant.region, locations, idx, out, verified):
+                in_place += len(idx)
+                continue
+            size = max(locations[i].length for i in idx)
+            await self.data.read(address, grant.token, [locations[i].slot for i in idx], [out[i][:size] for i in idx])
+            for i in idx:
+                verified[i] = checksum(out[i][: locations[i].length]) == locations[i].checksum
+        return verified, in_place
 
     async def drop_partials(self, request_id: str, timeout: float = 10.0) -> None:
         await self.stub.Release(pb.ReleaseRequest(drop_partials_of=request_id), timeout=timeout)
@@ -193,10 +236,50 @@ class KVStoreClient:
 
     async def close(self) -> None:
         await self.data.close()
+        self.mappings.close()
         for peer, _ in self._peers.values():
             await peer.close()
         self._peers.clear()
         await self._channel.close()
+
+
+def _destinations(locations: list[pb.BlockLocation], out: Sequence[np.ndarray] | None) -> Sequence[np.ndarray]:
+    """Where a pull's blocks go: the caller's arrays, checked, or fresh ones."""
+    size = max((loc.length for loc in locations), default=0)
+    if out is None:
+        return [np.empty(size, dtype=np.uint8) for _ in locations]
+    for a in out[: len(locations)]:
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous or a.nbytes < size:
+            raise ValueError(f"a destination block must be a contiguous 1-D uint8 array of >= {size} bytes")
+    return out
+
+
+# Above this many bytes a mapped copy runs in a worker thread (numpy and xxhash let go of the GIL), so that
+# the caller's event loop keeps serving its other transfers meanwhile.
+_COPY_IN_THREAD_BYTES = 8 << 20
+
+
+async def _copy_mapped(region: MappedRegion, locations: list[pb.BlockLocation], idx: list[int],
+                       out: Sequence[np.ndarray], verified: list[bool]) -> bool:
+    """Copy blocks out of a mapped pool, checksumming each while it is still in cache; False if the
+    mapping was closed meanwhile (the caller reads over the data plane instead)."""
+
+    def copy() -> bool:
+        with region.reading() as usable:
+            if not usable:
+                return False
+            for i in idx:
+                loc = locations[i]
+                block = region.block(loc.slot, loc.length)
+                if block is not None:
+                    dst = out[i][: loc.length]
+                    np.copyto(dst, block)
+                    verified[i] = checksum(dst) == loc.checksum
+            return True
+
+    if sum(locations[i].length for i in idx) >= _COPY_IN_THREAD_BYTES:
+        return await asyncio.to_thread(copy)
+    return copy()
 
 
 async def _release(stub: pb_grpc.KVStoreStub, lease_id: int, timeout: float,

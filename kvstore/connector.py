@@ -194,16 +194,18 @@ class KVStoreConnector(KVConnector):
 
     async def _pull(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
                     span: Any) -> LoadResult:
+        staging = torch.empty((n, *self.block_shape), dtype=self.dtype)  # the blocks land here, once
+        rows = list(staging.view(n, -1).view(torch.uint8).numpy())
         start = time.perf_counter()
-        pulled = await self.client.pull(keys, partials, metadata=telemetry.outgoing(telemetry.context_of(span)))
+        pulled = await self.client.pull(keys, partials, metadata=telemetry.outgoing(telemetry.context_of(span)),
+                                        out=rows)
         seconds = time.perf_counter() - start
         nbytes = sum(b.nbytes for b in pulled.blocks)
-        span.set_attributes(_transfer_attributes(nbytes, seconds, ""))
+        span.set_attributes(_transfer_attributes(nbytes, seconds, "", "ucx-shm" if pulled.in_place else "ucx"))
         self.metrics.observe("pull", len(pulled.blocks), nbytes, seconds)
         if len(pulled.blocks) < n:
             return LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
-        raw = torch.from_numpy(np.stack(pulled.blocks))
-        return LoadResult(request_id, raw.view(self.dtype).reshape(n, *self.block_shape))
+        return LoadResult(request_id, staging)
 
     def poll_loads(self) -> list[LoadResult]:
         with self._lock:
@@ -217,9 +219,11 @@ class KVStoreConnector(KVConnector):
         self._thread.join(5)
 
 
-def _transfer_attributes(nbytes: int, seconds: float, data_address: str) -> dict[str, Any]:
+def _transfer_attributes(nbytes: int, seconds: float, data_address: str, transport: str = "ucx") -> dict[str, Any]:
+    """``transport``: "ucx" (transfers over the data plane) or "ucx-shm" (read in place from a pool
+    mapped through UCX shared memory)."""
     attrs = {"tandem.kv.bytes": nbytes, "tandem.kv.seconds": seconds,
-             "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "tandem.kv.transport": "ucx"}
+             "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "tandem.kv.transport": transport}
     if data_address:
         attrs["tandem.kv.data_address"] = data_address
     return attrs

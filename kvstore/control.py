@@ -107,6 +107,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease_ttl_s: float = 30.0,
         reserve_ttl_s: float = 30.0,
         control_address: str = "",
+        pool_id: bytes = b"",
+        pool_map: bytes = b"",
     ) -> None:
         self.pool = pool
         self.index = index
@@ -115,6 +117,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.control_address = control_address  # this node's gRPC address, as other nodes' readers reach it
         self.lease_ttl_s = lease_ttl_s
         self.reserve_ttl_s = reserve_ttl_s
+        self.pool_id = pool_id  # names this pool: a reader's mapping of an earlier one is stale
+        self.pool_map = pool_map  # the pool's UCX shared-memory descriptor (kvstore.ucp_memory), or b""
         self.counters = Counters()
 
     @property
@@ -143,7 +147,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             token = self.pool.token_of(lease_id)
             self.pool.touch(local)
         return pb.LookupResponse(blocks=blocks, partials=partials, lease_id=lease_id, lease_token=token,
-                                 node_id=self.node_id)
+                                 node_id=self.node_id, pool_id=self.pool_id,
+                                 pool_map=self.pool_map if request.map_pool else b"")
 
     def _still_here(self, entries: list[IndexEntry]) -> list[IndexEntry]:
         """Cut the prefix at a local block the pool no longer holds (evicted after the index answered)."""

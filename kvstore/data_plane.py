@@ -69,6 +69,9 @@ def _ucxx():
     # 256 blocks 0.8-1.0 -> 1.6-1.9 GB/s); larger ones gained nothing. The environment still wins.
     os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "512k")
     os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "512k")
+    # A store restarted on its data port while workers still hold connections to the dead one (the
+    # kernel keeps that port in FIN_WAIT for a while) could not listen again ("Device is busy").
+    os.environ.setdefault("UCX_CM_REUSEADDR", "y")
     os.environ.setdefault("UCXPY_PROGRESS_MODE", "thread")
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     import ucxx

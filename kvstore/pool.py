@@ -107,14 +107,22 @@ class BlockPool:
         block_bytes: int,
         partial_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        memory: np.ndarray | None = None,
     ) -> None:
+        """``memory``: where the slots live (flat uint8, at least ``capacity_bytes`` long; the store passes
+        memory that readers on its host can map); private memory when None."""
         if block_bytes < 1:
             raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
         self.num_slots = capacity_bytes // block_bytes
         if self.num_slots < 1:
             raise ValueError(f"capacity {capacity_bytes} bytes holds no block of {block_bytes} bytes")
         self.block_bytes = block_bytes
-        self.buffer = np.empty((self.num_slots, block_bytes), dtype=np.uint8)
+        size = self.num_slots * block_bytes
+        if memory is None:
+            memory = np.empty(size, dtype=np.uint8)
+        elif memory.dtype != np.uint8 or memory.ndim != 1 or memory.size < size:
+            raise ValueError(f"pool memory must be flat uint8 of at least {size} bytes")
+        self.buffer = memory[:size].reshape(self.num_slots, block_bytes)
         self.buffer.fill(0)  # touch every page now: first-touch faults would otherwise land on transfers
         self.partial_ttl_s = partial_ttl_s
         self.clock = clock

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 
 import grpc
@@ -22,6 +23,7 @@ from kvstore.control import KVStoreService
 from kvstore.data_plane import DataPlaneServer
 from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
 from kvstore.pool import BlockPool
+from kvstore.ucp_memory import POOL_ID_BYTES, SharedRegion, UcpError, shared_memory_enabled
 from protos import kvstore_pb2, kvstore_pb2_grpc
 from tandem.metrics import add_metrics_args, counter, gauge, register_state
 from tandem.service import (
@@ -66,9 +68,12 @@ def make_index(redis_url: str | None) -> BlockIndex:
     return RedisIndex(redis_url)
 
 
-async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: str) -> None:
+async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: str,
+                  region: SharedRegion | None) -> None:
     ttl = 3 * args.heartbeat_s
     while True:
+        if region is not None:  # readers that mapped the pool drop it once this deadline passes
+            region.keep_alive(max(1.0, 10 * args.heartbeat_s))
         try:
             await asyncio.to_thread(service.index.register_node, node_id, service.node_address, ttl)
             dead = await asyncio.to_thread(service.index.purge_dead)
@@ -80,16 +85,32 @@ async def _upkeep(service: KVStoreService, args: argparse.Namespace, node_id: st
         await asyncio.sleep(args.heartbeat_s)
 
 
+def make_pool(args: argparse.Namespace) -> tuple[BlockPool, SharedRegion | None]:
+    """The node's pool, in UCX shared memory that same-host readers map (private memory where that
+    cannot be had, or with ``TANDEM_KV_SHARED_MEMORY=0``: every read then goes over the data plane)."""
+    capacity = int(args.capacity_gb * 2**30)
+    region = None
+    if shared_memory_enabled():
+        try:
+            region = SharedRegion(capacity, args.block_bytes, os.urandom(POOL_ID_BYTES))
+        except (UcpError, OSError, ImportError) as exc:
+            log.warning("the pool is private memory (readers on this host cannot map it): %s", exc)
+    pool = BlockPool(capacity, args.block_bytes, args.partial_ttl_s, memory=region.array if region else None)
+    return pool, region
+
+
 async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
     tls = tls or setup(args, "kvstore")
-    pool = BlockPool(int(args.capacity_gb * 2**30), args.block_bytes, args.partial_ttl_s)
+    pool, region = make_pool(args)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     port = bind(server, args.host, args.port, tls.server)
     node_id = args.node_id or f"{socket.gethostname()}:{port}"
     data = DataPlaneServer(pool)
     data_port = data.start(args.data_port)
     service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}",
-                             control_address=f"{args.host}:{port}")  # other nodes' readers lease here
+                             control_address=f"{args.host}:{port}",  # other nodes' readers lease here
+                             pool_id=region.pool_id if region else os.urandom(POOL_ID_BYTES),
+                             pool_map=region.descriptor if region else b"")
     with contextlib.suppress(IndexUnavailableError):  # a restarted node's old entries name an empty pool
         await asyncio.to_thread(service.index.purge_node, node_id)
     data.on_bytes = lambda received, sent: setattr(service.counters, "bytes_out", service.counters.bytes_out + sent)
@@ -105,7 +126,7 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
         health_server, health_port = await start_health_server(health_servicer, args.host, tls.health_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    upkeep = asyncio.create_task(_upkeep(service, args, node_id))
+    upkeep = asyncio.create_task(_upkeep(service, args, node_id, region))
     stop = stop_signal()
     register_state(lambda: store_state(service))
     extra = start_observability("kvstore", args.host, port, args.metrics_port)
@@ -119,7 +140,7 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
     await server.stop(grace=1)
     if health_server is not None:
         await health_server.stop(0)
-    data.close()
+    data.close()  # the pool's shared memory goes with the process (readers' mappings keep it until they drop them)
     stop_observability()
 
 

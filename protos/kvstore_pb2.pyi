@@ -33,30 +33,36 @@ class PartialRef(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "partials", "lease", "lease_ttl_s")
+    __slots__ = ("keys", "partials", "lease", "lease_ttl_s", "map_pool")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAP_POOL_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     partials: _containers.RepeatedCompositeFieldContainer[PartialRef]
     lease: bool
     lease_ttl_s: float
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., partials: _Optional[_Iterable[_Union[PartialRef, _Mapping]]] = ..., lease: _Optional[bool] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    map_pool: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., partials: _Optional[_Iterable[_Union[PartialRef, _Mapping]]] = ..., lease: _Optional[bool] = ..., lease_ttl_s: _Optional[float] = ..., map_pool: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("blocks", "partials", "lease_id", "lease_token", "node_id")
+    __slots__ = ("blocks", "partials", "lease_id", "lease_token", "node_id", "pool_id", "pool_map")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_MAP_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     partials: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     lease_id: int
     lease_token: bytes
     node_id: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., partials: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...
+    pool_id: bytes
+    pool_map: bytes
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., partials: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., node_id: _Optional[str] = ..., pool_id: _Optional[bytes] = ..., pool_map: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("num_blocks", "ttl_s")

@@ -68,15 +68,16 @@ def random_blocks(n: int, seed: int) -> list[tuple[bytes, np.ndarray]]:
     return [(rng.bytes(32), rng.integers(0, 256, BLOCK, dtype=np.uint8)) for _ in range(n)]
 
 
-async def _with_client(address: str, fn):
-    client = KVStoreClient(address)
+async def _with_client(address: str, fn, shared_memory: bool | None = None):
+    client = KVStoreClient(address, shared_memory=shared_memory)
     try:
         return await fn(client)
     finally:
         await client.close()
 
 
-def test_push_pull_round_trip_is_byte_identical(node):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["mapped-pool", "ucx-transfers"])
+def test_push_pull_round_trip_is_byte_identical(node, shared_memory):
     blocks = random_blocks(40, seed=1)
 
     async def go(c: KVStoreClient):
@@ -84,12 +85,70 @@ def test_push_pull_round_trip_is_byte_identical(node):
         assert await c.push(blocks[:5]) == 0  # stored already: the first copy stays
         got = await c.pull([k for k, _ in blocks])
         assert got.misses == 0 and all(np.array_equal(a, b) for a, (_, b) in zip(got.blocks, blocks, strict=True))
+        assert got.in_place == (40 if shared_memory else 0)
         partial = await c.pull([blocks[0][0], os.urandom(32), blocks[1][0]])
         assert len(partial.blocks) == 1 and partial.misses == 2  # the longest prefix only
         stats = await c.stats()
         assert stats.stored_blocks == 40 and stats.active_leases == 0 and stats.reserved_blocks == 0
+        # Same host: the pool was mapped and read in place, nothing went over the data plane; or the reverse.
+        assert (c.mappings.mapped(node.grpc) is not None) is shared_memory
+        assert stats.bytes_out == (0 if shared_memory else 41 * BLOCK)
+
+    run(_with_client(node.grpc, go, shared_memory))
+
+
+def test_a_pull_fills_the_callers_buffers(node):
+    blocks = random_blocks(6, seed=2)
+    staging = np.zeros((8, BLOCK), dtype=np.uint8)
+
+    async def go(c: KVStoreClient):
+        await c.push(blocks)
+        got = await c.pull([k for k, _ in blocks], out=list(staging))
+        assert got.misses == 0 and all(np.shares_memory(b, row) for b, row in zip(got.blocks, staging, strict=False))
+        assert np.array_equal(staging[:6], np.stack([b for _, b in blocks])) and not staging[6:].any()
+        with pytest.raises(ValueError, match="destination"):
+            await c.pull([k for k, _ in blocks], out=list(staging[:2]))
+        with pytest.raises(ValueError, match="destination"):
+            await c.pull([k for k, _ in blocks], out=[row[: BLOCK // 2] for row in staging])
+        assert (await c.stats()).active_leases == 0  # a refused pull takes no lease... or gives it back
 
     run(_with_client(node.grpc, go))
+
+
+def test_a_restarted_node_is_mapped_afresh_and_a_dead_ones_mapping_dropped():
+    """A mapping names its pool: a node back on the same address has a new pool, never read through the
+    old mapping; a node that stopped renewing its deadline has its mapping (and memory) let go."""
+    from tandem.redis_server import free_port
+
+    ports = ["--port", str(free_port()), "--data-port", str(free_port()), "--heartbeat-s", "0.1"]
+    nodes = [StoreNode("--capacity-gb", capacity(16), *ports)]
+    old, new = random_blocks(4, seed=11), random_blocks(4, seed=12)
+
+    async def pull_back(c: KVStoreClient, blocks) -> None:
+        await c.push(blocks)
+        got = await c.pull([k for k, _ in blocks])
+        assert got.misses == 0 and all(np.array_equal(a, b) for a, (_, b) in zip(got.blocks, blocks, strict=True))
+
+    async def go(c: KVStoreClient) -> None:
+        await pull_back(c, old)
+        old_pool = c.mappings.mapped(c.address)
+        assert old_pool is not None
+        nodes[0].kill(signal.SIGKILL)
+        nodes.append(StoreNode("--capacity-gb", capacity(16), *ports))
+        assert (await c.pull([k for k, _ in old])).misses == 4  # the old pool's blocks died with it
+        await pull_back(c, new)  # read over the data plane: the answer named a pool not mapped here
+        await pull_back(c, new)  # and now through a mapping of the new pool
+        assert c.mappings.mapped(c.address) not in (None, old_pool)
+        nodes[1].kill(signal.SIGKILL)
+        await asyncio.sleep(1.5)  # past the deadline it renewed every heartbeat (10 x 0.1 s, at least 1 s)
+        c.mappings.expire()
+        assert c.mappings.mapped(c.address) is None
+
+    try:
+        run(_with_client(nodes[0].grpc, go))
+    finally:
+        for n in nodes:
+            n.kill()
 
 
 def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import xxhash
 
-from kvstore.client import KVStoreClient
+from kvstore.client import KVStoreClient, ReadGrant
 from kvstore.control import KVStoreService, node_address, split_node_address
 from kvstore.index import MemoryIndex
 from kvstore.pool import BlockPool
@@ -102,9 +102,9 @@ def test_a_pull_through_one_node_takes_the_other_nodes_leases_there():
 
         async def locate() -> tuple[list[pb.BlockLocation], dict[str, bytes], list]:
             found = await b.Lookup(pb.LookupRequest(keys=keys, lease=True), Context())
-            tokens, leases = {found.node_id: found.lease_token}, []
-            locations = await client._lease_elsewhere(list(found.blocks), "b", tokens, leases, 1.0, None)
-            return locations, tokens, leases
+            grants, leases = {found.node_id: ReadGrant(found.lease_token, None)}, []
+            locations = await client._lease_elsewhere(list(found.blocks), "b", grants, leases, 1.0, None)
+            return locations, {node: g.token for node, g in grants.items()}, leases
 
         locations, tokens, leases = await locate()
         assert [loc.node_id for loc in locations] == ["a", "a", "b", "c", "c"] and len(leases) == 2

@@ -288,6 +288,6 @@ async def _copy_mapped(region: MappedRegion, locations: list[pb.BlockLocation], 
 
 async def _release(stub: pb_grpc.KVStoreStub, lease_id: int, timeout: float,
                    metadata: Sequence[tuple[str, str]] | None) -> None:
-    """End a lease taken on another node; one that cannot be reached lets it expire."""
+    """End a lease; a node that cannot be reached (or has died since) lets it expire."""
     with contextlib.suppress(grpc.aio.AioRpcError):
         await stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout, metadata=metadata)

@@ -249,23 +249,24 @@ class RedisIndex(BlockIndex):
     def _read(self, keys: list[bytes]) -> tuple[list[bytes | None], list[bytes]]:
         """The keys' packed values (None for a miss) and the alive node ids, in one round trip."""
         packed = self._mget_command(keys) + self._alive_command
-        pool = self._client.connection_pool
         with self._reachable():
-            for attempt in (1, 2):  # a second try absorbs a pooled connection that went stale (a Redis restart)
-                conn = pool.get_connection()
-                try:
-                    conn.send_packed_command([packed])
-                    return conn.read_response(), conn.read_response()
-                except redis.ConnectionError:
-                    conn.disconnect()
-                    if attempt == 2:
-                        raise
-                except BaseException:
-                    conn.disconnect()  # an answer may still be on the wire: never hand this connection on
-                    raise
-                finally:
-                    pool.release(conn)
-        raise AssertionError("unreachable")
+            try:
+                return self._round_trip(packed)
+            except redis.ConnectionError:  # a pooled connection gone stale (a Redis restart): once more
+                return self._round_trip(packed)
+
+    def _round_trip(self, packed: bytes) -> tuple[Any, Any]:
+        """Send two packed commands on one pooled connection; their two replies."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([packed])
+            return conn.read_response(), conn.read_response()
+        except BaseException:
+            conn.disconnect()  # a reply may still be on the wire: never hand this connection on
+            raise
+        finally:
+            pool.release(conn)
 
     def lookup(self, keys: list[bytes]) -> list[IndexEntry]:
         keys = check_keys(keys)

@@ -64,7 +64,7 @@ class UcpError(RuntimeError):
 def _params(*fields: tuple[int, str, int]) -> ctypes.Array:
     """A zeroed UCX parameter struct with ``(offset, format, value)`` fields set; UCX reads only the
     fields named in its ``field_mask`` (the first), so the rest of the layout need not be spelled out."""
-    buf = ctypes.create_string_buffer(128)
+    buf = ctypes.create_string_buffer(256)  # larger than any of them (ucp_ep_params_t: 112 bytes)
     for offset, fmt, value in fields:
         struct.pack_into(fmt, buf, offset, value)
     return buf
@@ -74,6 +74,7 @@ class _Ucp:
     """One UCX context and worker of this process for memory mapping (nothing is ever sent on it)."""
 
     def __init__(self) -> None:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # as kvstore.data_plane: nothing on stdout
         import libucx
 
         libs = libucx.load_library()  # libucs, libucs_signal, libuct, libucp: the copies ucxx uses

@@ -291,6 +291,9 @@ def test_redis_down_is_unavailable_and_recovers() -> None:
         server.stop()
         server.start()  # no failed call in between: the pooled socket is stale, one reconnect absorbs it
         assert index.nodes() == {}
+        server.stop()
+        server.start()  # the same for a read (its own round trip, outside redis-py's command path)
+        assert index.lookup(KEYS[:1]) == [] and index.get(KEYS[:1]) == [None]
     finally:
         index.close()
         server.close()

@@ -336,8 +336,11 @@ def test_two_nodes_share_a_redis_index_and_a_dead_node_is_purged():
                 with pytest.raises(PermissionError):  # b's lease does not cover a's blocks
                     await c.data.read(a.data, found.lease_token, [found.blocks[0].slot], [np.empty(BLOCK, np.uint8)])
                 got = await c.pull([k for k, _ in blocks])  # a's lease, taken at a; the bytes from a's pool
-                assert got.misses == 0
+                assert got.misses == 0 and got.in_place == 8  # a's pool, mapped from a's answer
                 assert all(np.array_equal(x, y) for x, (_, y) in zip(got.blocks, blocks, strict=True))
+                over_ucx = await _with_client(b.grpc, lambda d: d.pull([k for k, _ in blocks]), shared_memory=False)
+                assert over_ucx.misses == 0 and over_ucx.in_place == 0  # a's data plane, under a's token
+                assert all(np.array_equal(x, y) for x, (_, y) in zip(over_ucx.blocks, blocks, strict=True))
 
             run(_with_client(b.grpc, through_b))
             stats = run(_with_client(a.grpc, lambda c: c.stats()))

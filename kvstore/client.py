@@ -51,7 +51,7 @@ class ReadGrant:
 class PullResult:
     blocks: list[np.ndarray]  # the verified prefix, in order
     misses: int  # blocks asked for and not returned (not stored, or failed their checksum)
-    in_place: int = 0  # blocks copied out of a pool mapped here (the rest came over the data plane)
+    in_place: int = 0  # of ``blocks``, those copied out of a pool mapped here (the rest came over the data plane)
 
 
 def checksum(block: np.ndarray) -> int:
@@ -137,7 +137,7 @@ class KVStoreClient:
             out = _destinations(locations, out)
             grants = {found.node_id: await self._grant(self.address, found)}  # node id -> how its blocks are read
             locations = await self._lease_elsewhere(locations, found.node_id, grants, remote, timeout, metadata)
-            verified, in_place = await self._read(locations, grants, out)
+            verified, mapped = await self._read(locations, grants, out)
         finally:
             await asyncio.gather(*(_release(stub, lease, timeout, metadata) for stub, lease in remote))
             if found.lease_id:
@@ -145,7 +145,7 @@ class KVStoreClient:
             self.mappings.expire()
         n = verified.index(False) if False in verified else len(verified)  # the prefix up to a bad checksum
         blocks = [out[i][: locations[i].length] for i in range(n)]
-        return PullResult(blocks, len(keys) + len(partials) - n, min(n, in_place))
+        return PullResult(blocks, len(keys) + len(partials) - n, sum(mapped[:n]))
 
     async def _grant(self, address: str, found: pb.LookupResponse) -> ReadGrant:
         return ReadGrant(found.lease_token, await self.mappings.region_for(address, found.pool_id, found.pool_map))
@@ -206,28 +206,29 @@ class KVStoreClient:
         return self._peers[address][1]
 
     async def _read(self, locations: list[pb.BlockLocation], grants: dict[str, ReadGrant],
-                    out: Sequence[np.ndarray]) -> tuple[list[bool], int]:
-        """Fill ``out`` with the blocks at ``locations``: whether each one matched its checksum, and how
-        many were read in place.
+                    out: Sequence[np.ndarray]) -> tuple[list[bool], list[bool]]:
+        """Fill ``out`` with the blocks at ``locations``: whether each one matched its checksum, and
+        whether it was read in place.
 
         Blocks of a pool mapped here are copied out of it in place; the others move over the UCX
         data plane, one transfer per node.
         """
         verified = [False] * len(locations)
-        in_place = 0
+        mapped = [False] * len(locations)
         by_node: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, loc in enumerate(locations):
             by_node[loc.node_id, loc.data_address].append(i)
         for (node, address), idx in by_node.items():
             grant = grants.get(node, ReadGrant(b"", None))
             if grant.region is not None and await _copy_mapped(grant.region, locations, idx, out, verified):
-                in_place += len(idx)
+                for i in idx:
+                    mapped[i] = True
                 continue
             size = max(locations[i].length for i in idx)
             await self.data.read(address, grant.token, [locations[i].slot for i in idx], [out[i][:size] for i in idx])
             for i in idx:
                 verified[i] = checksum(out[i][: locations[i].length]) == locations[i].checksum
-        return verified, in_place
+        return verified, mapped
 
     async def drop_partials(self, request_id: str, timeout: float = 10.0) -> None:
         await self.stub.Release(pb.ReleaseRequest(drop_partials_of=request_id), timeout=timeout)

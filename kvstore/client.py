@@ -111,6 +111,7 @@ class KVStoreClient:
         done = await self.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=commit),
                                       timeout=timeout, metadata=metadata)
         self.last_data_address = res.data_address
+        self.mappings.expire()  # a writer that seldom reads must not keep a dead store's pool mapped either
         return done.committed
 
     async def pull(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+
+from tandem.settings import env_default
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
 
 
 def enabled() -> bool:
-    return os.environ.get("TANDEM_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+    return env_default("--cpu-kernels", True)
 
 
 def build_dir() -> Path:

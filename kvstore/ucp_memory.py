@@ -36,6 +36,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tandem.settings import env_default
+
 log = logging.getLogger("tandem.kvstore.ucp")
 
 HEADER_BYTES = 4096  # the region's first page: the pool id and the store's liveness deadline, then the slots
@@ -279,4 +281,4 @@ def _populate(pointer: int, length: int, whole: np.ndarray) -> None:
 
 def shared_memory_enabled() -> bool:
     """``TANDEM_KV_SHARED_MEMORY=0`` keeps the pool private and every transfer on UCX's two-sided path."""
-    return os.environ.get("TANDEM_KV_SHARED_MEMORY", "1").lower() not in ("0", "false", "no", "off")
+    return env_default("--kv-shared-memory", True)

@@ -46,7 +46,7 @@ class PoolMappings:
         if entry is not None and entry.pool_id != pool_id:
             self._drop(address)
             entry = None
-        if entry is None and pool_map and self.enabled:
+        if entry is None and pool_map:  # only sent when asked for (``wants_map``)
             # Mapping faults in every page of the pool (hundreds of ms per GB): off the event loop.
             region = await asyncio.to_thread(ucp_memory.attach, pool_map)
             entry = self._by_address[address] = _Entry(pool_id, region)

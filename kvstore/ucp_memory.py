@@ -128,6 +128,12 @@ def _get() -> _Ucp:
         return _ucp
 
 
+def _region_views(address: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The region's bytes, and the header's liveness deadline (one float64), as arrays over its memory."""
+    whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+    return whole, whole[_DEADLINE_AT:_DEADLINE_AT + 8].view(np.float64)
+
+
 class SharedRegion:
     """The store side: a region allocated through UCX, its header written, its descriptor ready for readers."""
 
@@ -145,9 +151,8 @@ class SharedRegion:
         self.length = HEADER_BYTES + nbytes
         if mapped < self.length:
             raise UcpError(f"mem_map gave {mapped} bytes, {self.length} asked for")
-        whole = np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.address))
+        whole, self._deadline = _region_views(self.address, self.length)
         whole[:POOL_ID_BYTES] = np.frombuffer(pool_id, dtype=np.uint8)
-        self._deadline = whole[_DEADLINE_AT:_DEADLINE_AT + 8].view(np.float64)
         self.keep_alive(60.0)
         self.pool_id = pool_id
         self.array = whole[HEADER_BYTES:HEADER_BYTES + nbytes]  # the pool's slots
@@ -186,11 +191,10 @@ class MappedRegion:
                  pool_id: bytes) -> None:
         self._ucp, self._ep, self._rkey = ucp, ep, rkey
         self.pool_id = pool_id
-        whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(pointer))
+        whole, self._deadline = _region_views(pointer, length)
         whole.flags.writeable = False
         self.num_slots = (length - HEADER_BYTES) // block_bytes
         self._rows = whole[HEADER_BYTES:HEADER_BYTES + self.num_slots * block_bytes].reshape(-1, block_bytes)
-        self._deadline = whole[_DEADLINE_AT:_DEADLINE_AT + 8].view(np.float64)
         self._lock = threading.Lock()
         self._readers = 0
         self._closing = False

@@ -14,13 +14,14 @@ import time
 
 import grpc
 
+from common import telemetry, worker
+from common.pb_convert import finish_reason, token_output
+from common.service import status_name
 from engine.block_hash import prompt_block_hashes
 from engine.request import RequestHandedBack, RequestOutput
+from kvstore.connector import KVStoreConnector
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
-from tandem import telemetry, worker
-from tandem.pb_convert import finish_reason, token_output
-from tandem.service import status_name
 
 log = logging.getLogger("tandem.decode")
 
@@ -149,7 +150,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_servicer(args: argparse.Namespace) -> DecodeServicer:
-    engine, connector = worker.build_engine(args, role="consumer" if args.kvstore else "both")
+    engine, connector = worker.build_engine(args, role="consumer" if args.kvstore else "both",
+                                            make_connector=KVStoreConnector)
     return DecodeServicer(engine, connector, args.kvstore or "", args.max_waiting)
 
 

@@ -29,6 +29,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml ./
 COPY protos ./protos
+COPY common ./common
 COPY engine ./engine
 COPY tandem ./tandem
 COPY kvstore ./kvstore

@@ -45,6 +45,7 @@ RUN pip install ninja packaging psutil einops wheel "setuptools>=68" \
 WORKDIR /src
 COPY pyproject.toml ./
 COPY protos ./protos
+COPY common ./common
 COPY engine ./engine
 COPY tandem ./tandem
 COPY kvstore ./kvstore

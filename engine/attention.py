@@ -348,18 +348,18 @@ def flash_attn_available() -> bool:
 
 
 def select_backend(
-    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    cpu_ops: ModuleType | None = None,
 ) -> AttentionBackend:
     """``auto``: on CUDA flash-attn's paged kernel when importable and the block size allows, else SDPA;
-    on CPU the compiled kernel when it builds here, else the torch backend."""
+    on CPU the compiled kernel when the engine has ``cpu_ops`` (``kernels.load_cpu_ops``), else the torch
+    backend."""
     if name in ("auto", "cpu") and device.type == "cpu":
-        from engine import cpu_ops
-
-        ops = cpu_ops.load()
-        if ops is not None:
-            return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, ops)
+        if cpu_ops is not None:
+            return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, cpu_ops)
         if name == "cpu":
-            raise ValueError("attention_backend 'cpu' needs the CPU kernels, which could not be built here")
+            raise ValueError("attention_backend 'cpu' needs the CPU kernels, which are turned off "
+                             "(cpu_kernels=False) or could not be built here")
     if name == "auto":
         if device.type != "cuda":
             name = "torch"

@@ -157,6 +157,8 @@ class EngineConfig:
     # request moved to another worker pulls its KV instead of recomputing it.
     push_generated_blocks: bool = False
     attention_backend: str = "auto"  # "auto", "cpu", "torch", "sdpa", "flash_attn"
+    cpu_kernels: bool = True  # on CPU, the compiled kernels of engine/csrc when they build here
+    kernel_cache_dir: str | None = None  # where they are built and cached (None: ~/.cache/tandem/kernels)
     num_threads: int | None = None
     seed: int = 0
     model_config: ModelConfig | None = field(default=None, repr=False)

@@ -2,12 +2,13 @@
 
 They are built with the machine's compiler for its own instruction set (``-march=native``),
 so the build happens here rather than in a wheel: on first use, or ahead of time with
-``tandem build-kernels`` (``make model`` runs it). Builds go to ``$TANDEM_HOME/kernels``
-(``~/.cache/tandem/kernels``), keyed by the source's hash and this CPU's feature flags (a cache
+``tandem build-kernels`` (``make model`` runs it). Builds go under the engine's
+``EngineConfig.kernel_cache_dir`` (tandem's services pass ``$TANDEM_HOME/kernels``; the default is
+``~/.cache/tandem/kernels``), keyed by the source's hash and this CPU's feature flags (a cache
 shared between machines never hands one a build for another's instruction set); concurrent
-builds from several processes wait on torch's build lock. ``TANDEM_CPU_KERNELS=0`` turns them
-off, and the engine then runs the same model in plain torch ops; so does a machine without a
-compiler, with a warning.
+builds from several processes wait on torch's build lock. ``EngineConfig.cpu_kernels=False``
+(``--no-cpu-kernels``, ``TANDEM_CPU_KERNELS=0``) turns them off, and the engine then runs the same
+model in plain torch ops; so does a machine without a compiler, with a warning.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from tandem.settings import env_default
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -27,17 +26,13 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 
-def enabled() -> bool:
-    return env_default("--cpu-kernels", True)
-
-
-def build_dir() -> Path:
-    from tandem.model_fetch import tandem_home
-
+def build_dir(cache_dir: Path | str | None = None) -> Path:
+    """This source's and this CPU's build folder under ``cache_dir``."""
     key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
-    return tandem_home() / "kernels" / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def _cpu_flags() -> str:
@@ -48,23 +43,21 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build() -> ModuleType:
+def build(cache_dir: Path | str | None = None) -> ModuleType:
     """Compile (or load the cached build of) the kernels; raises when the toolchain fails."""
     import torch.utils.cpp_extension as ext
 
-    path = build_dir()
+    path = build_dir(cache_dir)
     path.mkdir(parents=True, exist_ok=True)
     return ext.load(name="tandem_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
 
 
 @cache
-def load() -> ModuleType | None:
-    """The kernels, or None when turned off or when they cannot be built here (with a warning)."""
-    if not enabled():
-        return None
+def load(cache_dir: Path | str | None = None) -> ModuleType | None:
+    """The kernels, or None when they cannot be built here (with a warning)."""
     try:
-        return build()
+        return build(cache_dir)
     except Exception as exc:  # no compiler, no headers: plain torch ops still serve the model
         log.warning("CPU kernels unavailable, using plain torch ops (slower decode): %s", exc)
         return None

@@ -86,12 +86,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def select_kernels(device: torch.device) -> TorchKernels:
-    """The compiled CPU kernels on CPU when they build here (and ``TANDEM_CPU_KERNELS`` allows),
-    else eager torch."""
-    if device.type != "cpu":
-        return TorchKernels()
+def select_kernels(device: torch.device, ops: ModuleType | None) -> TorchKernels:
+    """The compiled CPU kernels ``ops`` on CPU when the engine has them (``load_cpu_ops``), else eager torch."""
+    return CpuKernels(ops) if device.type == "cpu" and ops is not None else TorchKernels()
+
+
+def load_cpu_ops(device: torch.device, enabled: bool, cache_dir: str | None) -> ModuleType | None:
+    """The compiled CPU kernels when on CPU and ``enabled`` and they build here; else None."""
+    if device.type != "cpu" or not enabled:
+        return None
     from engine import cpu_ops
 
-    ops = cpu_ops.load()
-    return CpuKernels(ops) if ops is not None else TorchKernels()
+    return cpu_ops.load(cache_dir)

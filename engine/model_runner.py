@@ -6,7 +6,7 @@ import torch
 
 from engine.attention import build_metadata, select_backend
 from engine.config import EngineConfig
-from engine.kernels import select_kernels
+from engine.kernels import load_cpu_ops, select_kernels
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 
@@ -18,6 +18,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        ops = load_cpu_ops(self.device, config.cpu_kernels, config.kernel_cache_dir)
         self.model = load_model(
             config.model,
             mc,
@@ -26,10 +27,10 @@ class ModelRunner:
             config.max_model_len,
             config.load_format,
             config.seed,
-            select_kernels(self.device),
+            select_kernels(self.device, ops),
         )
         self.attn = select_backend(
-            config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size
+            config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size, ops
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
         shape = self.attn.cache_shape(self.num_blocks)

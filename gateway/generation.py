@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.pb_convert import sampling_to_pb
 from engine.block_hash import prompt_block_hashes
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.observe import RequestRecord
@@ -31,7 +32,6 @@ from gateway.workers import DECODE_STREAM_COST, WorkerClient
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import worker_pb2 as wpb
-from tandem.pb_convert import sampling_to_pb
 
 MAX_ATTEMPTS = 3  # prefill workers a request tries at most (decode: ``migration_limit``)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -193,7 +193,7 @@ class Generation:
             else:
                 self.core.prefill_retries += 1
                 self.core.metrics.prefill_retries.inc()
-                self.record.root.add_event("prefill retried", {"tandem.worker": worker.address,
+                self.record.root.add_event("prefill retried", {"common.worker": worker.address,
                                                                "reason": last.details() if last else ""})
             call = worker.track(worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
                                                     metadata=self.record.metadata()))
@@ -329,7 +329,7 @@ class Generation:
     def _routed(self, worker: WorkerClient, new_tokens: int) -> None:
         self.clock.mark("routed")
         self.record.end_route(**{
-            "tandem.worker": worker.address,
+            "common.worker": worker.address,
             "tandem.worker_queue_tokens": worker.pending_prompt_tokens,
             "tandem.worker_inflight": worker.inflight,
             "tandem.stored_blocks": self.plan.stored_blocks,

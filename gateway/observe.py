@@ -15,9 +15,9 @@ from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from common import telemetry
+from common.metrics import RequestMetrics
 from protos import gateway_pb2 as gpb
-from tandem import telemetry
-from tandem.metrics import RequestMetrics
 
 # Timings fields that add up to ttft_ms, in the order of the request's life.
 TTFT_PARTS = ("tokenize_ms", "route_ms", "prefill_queue_ms", "prefill_compute_ms", "first_token_ms")

@@ -19,6 +19,20 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from common.metrics import RequestMetrics, add_metrics_args
+from common.service import (
+    Service,
+    announce,
+    channel,
+    setup_logging,
+    start_observability,
+    start_server,
+    status_name,
+    stop_observability,
+    stop_signal,
+)
+from common.settings import env_default
+from common.tls import ServiceTLS, add_tls_args, setup
 from gateway.auth import ApiKey, AuthError, KeyRing, KeysFileError, Lease
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import Clock, Generation, GenerationError, Output, Plan, plan_keys
@@ -32,20 +46,6 @@ from protos import kvstore_pb2 as kpb
 from protos import kvstore_pb2_grpc as kpb_grpc
 from protos import tokenizer_pb2 as tpb
 from protos import tokenizer_pb2_grpc as tpb_grpc
-from tandem.metrics import RequestMetrics, add_metrics_args
-from tandem.service import (
-    Service,
-    announce,
-    channel,
-    setup_logging,
-    start_observability,
-    start_server,
-    status_name,
-    stop_observability,
-    stop_signal,
-)
-from tandem.settings import env_default
-from tandem.tls import ServiceTLS, add_tls_args, setup
 
 log = logging.getLogger("tandem.gateway")
 

@@ -13,10 +13,10 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from common.pb_convert import sampling_from_pb
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
-from tandem.pb_convert import sampling_from_pb
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: `$` would let a trailing newline through
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -28,7 +28,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_MODEL_CHARS = 256
 # The public port's largest message (a 4M-character prompt of 4-byte characters fits); internal ports take
-# tandem.service.MAX_MESSAGE_BYTES. Larger messages are refused by gRPC itself with RESOURCE_EXHAUSTED.
+# common.service.MAX_MESSAGE_BYTES. Larger messages are refused by gRPC itself with RESOURCE_EXHAUSTED.
 MAX_REQUEST_BYTES = 16 * 2**20
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 

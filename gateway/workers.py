@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.service import channel
+from common.tls import ClientTLS, internal_client
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from tandem.service import channel
-from tandem.tls import ClientTLS, internal_client
 
 log = logging.getLogger("tandem.gateway.workers")
 

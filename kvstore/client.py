@@ -29,13 +29,13 @@ import grpc
 import numpy as np
 import xxhash
 
+from common.service import channel
 from kvstore.data_plane import DataPlaneClient
 from kvstore.pool import BlockKey, PartialKey
 from kvstore.pool_mappings import PoolMappings
 from kvstore.ucp_memory import MappedRegion, shared_memory_enabled
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-from tandem.service import channel
 
 
 @dataclass(slots=True)

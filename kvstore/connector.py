@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import telemetry
+from common.metrics import transfer_metrics
 from engine.config import EngineConfig
 from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.request import Request
 from kvstore.client import KVStoreClient
 from kvstore.pool import BlockKey
-from tandem import telemetry
-from tandem.metrics import transfer_metrics
 
 log = logging.getLogger("tandem.kvstore.connector")
 

@@ -26,11 +26,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import Counter
 
+from common import telemetry
 from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, check_key, check_keys
 from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-from tandem import telemetry
 
 MAX_KEYS = 65536
 RPCS = Counter("tandem_kvstore_requests", "Control-plane calls by method and final status", ["method", "code"])

@@ -19,14 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client.core import GaugeMetricFamily
 
-from kvstore.control import KVStoreService
-from kvstore.data_plane import DataPlaneServer
-from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
-from kvstore.pool import BlockPool
-from kvstore.ucp_memory import POOL_ID_BYTES, SharedRegion, UcpError, shared_memory_enabled
-from protos import kvstore_pb2, kvstore_pb2_grpc
-from tandem.metrics import add_metrics_args, counter, gauge, register_state
-from tandem.service import (
+from common.metrics import add_metrics_args, counter, gauge, register_state
+from common.service import (
     SERVER_OPTIONS,
     announce,
     bind,
@@ -35,8 +29,14 @@ from tandem.service import (
     stop_observability,
     stop_signal,
 )
-from tandem.settings import env_default
-from tandem.tls import ServiceTLS, add_tls_args, setup
+from common.settings import env_default
+from common.tls import ServiceTLS, add_tls_args, setup
+from kvstore.control import KVStoreService
+from kvstore.data_plane import DataPlaneServer
+from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
+from kvstore.pool import BlockPool
+from kvstore.ucp_memory import POOL_ID_BYTES, SharedRegion, UcpError, shared_memory_enabled
+from protos import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger("tandem.kvstore")
 

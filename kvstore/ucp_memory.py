@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tandem.settings import env_default
+from common.settings import env_default
 
 log = logging.getLogger("tandem.kvstore.ucp")
 

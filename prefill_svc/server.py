@@ -14,12 +14,13 @@ import time
 
 import grpc
 
+from common import telemetry, worker
+from common.pb_convert import finish_reason, token_output
 from engine.block_hash import prompt_block_hashes
 from engine.request import RequestOutput
+from kvstore.connector import KVStoreConnector
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
-from tandem import telemetry, worker
-from tandem.pb_convert import finish_reason, token_output
 
 
 class PrefillServicer(worker.WorkerServicer):
@@ -92,7 +93,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_servicer(args: argparse.Namespace) -> PrefillServicer:
-    engine, connector = worker.build_engine(args, role="producer")
+    engine, connector = worker.build_engine(args, role="producer", make_connector=KVStoreConnector)
     return PrefillServicer(engine, connector, args.kvstore, args.max_waiting)
 
 

@@ -7,9 +7,10 @@ import importlib
 import sys
 from pathlib import Path
 
-from tandem.settings import env_default
+from common.engine_args import add_engine_args, engine_flags
+from common.settings import env_default
+from tandem.client import DEFAULT_GATEWAY
 
-DEFAULT_GATEWAY = "127.0.0.1:50051"
 # `tandem serve NAME`: each service module has add_args(parser) and run(args).
 SERVICES = {
     "gateway": ("gateway.server", "the public API: validation, routing, orchestration, streaming"),
@@ -31,48 +32,6 @@ BENCHES = {
     "compare": ("tandem.bench.compare", "aggregated against disaggregated `tandem up`, pinned to cores, "
                 "swept over request rates: one table, one plot", True),
 }
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that runs a model."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=env_default("--model", None, str), help="local Hugging Face folder "
-                   "(default: the bundled SmolLM2-135M-Instruct; env TANDEM_MODEL)")
-    g.add_argument("--dtype", default=env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=env_default("--device", "cpu"))
-    g.add_argument("--load-format", default=env_default("--load-format", "auto"), choices=["auto", "dummy"])
-    g.add_argument("--kv-cache-gb", type=float, default=env_default("--kv-cache-gb", 2.0))
-    g.add_argument("--block-size", type=int, default=env_default("--block-size", 16))
-    g.add_argument("--max-num-seqs", type=int, default=env_default("--max-num-seqs", 256))
-    g.add_argument("--max-num-batched-tokens", type=int, default=env_default("--max-num-batched-tokens", 2048))
-    g.add_argument("--max-model-len", type=int, default=env_default("--max-model-len", None, int))
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env_default("--enable-prefix-caching", True, bool))
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=env_default("--enable-chunked-prefill", True, bool))
-    g.add_argument("--scheduling-policy", default=env_default("--scheduling-policy", "fcfs"),
-                   choices=["fcfs", "priority"], help="priority: lower value first, ties by arrival")
-    g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"),
-                   choices=["auto", "cpu", "torch", "sdpa", "flash_attn"])
-    g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
-
-
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user set (values that differ from their defaults), as flags again: what
-    ``tandem up`` hands to its workers, which read the same defaults and TANDEM_* variables themselves."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
-    flags: list[str] = []
-    for action in parser._actions:
-        value = getattr(args, action.dest, action.default)
-        if not action.option_strings or value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            flags += [flag, str(value)]
-    return flags
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
@@ -107,44 +66,12 @@ def add_client_tls_args(p: argparse.ArgumentParser) -> None:
 
 
 def client_tls(args: argparse.Namespace):
-    """The ``tandem.tls.ClientTLS`` the flags of ``add_client_tls_args`` ask for; None: plaintext."""
+    """The ``common.tls.ClientTLS`` the flags of ``add_client_tls_args`` ask for; None: plaintext."""
     if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
         return None
-    from tandem.tls import ClientTLS
+    from common.tls import ClientTLS
 
     return ClientTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-
-
-def engine_config(args: argparse.Namespace):
-    from engine import EngineConfig
-
-    return EngineConfig(
-        model=str(resolve_model(args.model)),
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        kv_cache_gb=args.kv_cache_gb,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,
-        attention_backend=args.attention_backend,
-        num_threads=args.num_threads,
-    )
-
-
-def resolve_model(model: str | None) -> Path:
-    if model:
-        return Path(model).expanduser()
-    from tandem.model_fetch import default_model_dir
-
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"the default model is not at {path} yet: run `tandem fetch-model` first")
-    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,15 +152,16 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_build_kernels(args: argparse.Namespace) -> int:
+    from common.paths import kernels_dir
     from engine import cpu_ops
 
     try:
-        cpu_ops.build()
+        cpu_ops.build(kernels_dir())
     except Exception as exc:
         print(f"tandem build-kernels: {exc}\nthe engine will run plain torch ops on CPU (slower decode)",
               file=sys.stderr)
         return 1
-    print(cpu_ops.build_dir())
+    print(cpu_ops.build_dir(kernels_dir()))
     return 0
 
 

@@ -16,9 +16,11 @@ from typing import TextIO
 
 import grpc
 
+from common.service import channel
+from common.tls import ClientTLS
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
-from tandem.service import channel
-from tandem.tls import ClientTLS
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
 
 FINISH_PREFIX = "FINISH_REASON_"
 

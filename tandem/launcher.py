@@ -38,13 +38,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 if TYPE_CHECKING:
+    from common.tls import ClientTLS
     from tandem.dev_certs import CertFiles, DevCA
-    from tandem.tls import ClientTLS
 
 MODES = ("disaggregated", "aggregated")
 SERVICE_KINDS = ("kvstore", "tokenizer", "prefill", "decode", "gateway")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# ``NAME READY k=v k=v``: the one line a service prints once it listens (tandem.service.announce).
+# ``NAME READY k=v k=v``: the one line a service prints once it listens (common.service.announce).
 READY_RE = re.compile(r"^([A-Z][A-Z0-9_]*) READY((?: +[A-Za-z0-9_]+=\S*)*) *$")
 # Wiring the launcher decides for every child; inherited TANDEM_* values would silently
 # override it (a stray TANDEM_KVSTORE would turn an aggregated worker into a consumer).
@@ -88,7 +88,7 @@ def kv_block_bytes(config: dict, dtype: str, block_size: int = 16) -> int:
 
 def default_log_dir() -> Path:
     """A fresh folder per launch under ``$TANDEM_HOME/logs`` (a temp dir if that is not writable)."""
-    from tandem.model_fetch import tandem_home
+    from common.paths import tandem_home
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
@@ -260,7 +260,7 @@ class ClusterConfig:
 
 def parse_engine_args(engine_args: Sequence[str]) -> argparse.Namespace:
     """The engine flags as the workers will read them (same parser, same TANDEM_* defaults)."""
-    from tandem.cli import add_engine_args
+    from common.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
@@ -298,7 +298,7 @@ class Cluster:
 
     @property
     def model_dir(self) -> Path:
-        from tandem.cli import resolve_model
+        from common.engine_args import resolve_model
 
         return resolve_model(self._engine.model)
 
@@ -329,7 +329,7 @@ class Cluster:
         """How a client reaches the gateway's public port: TLS trusting the cluster's CA (None without TLS)."""
         if self.ca is None:
             return None
-        from tandem.tls import ClientTLS
+        from common.tls import ClientTLS
 
         return ClientTLS(ca=self.ca.ca_path.read_bytes())
 
@@ -407,7 +407,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_OWNED_ENV}
         env.update(self.config.env)
         env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file as they happen
-        from tandem.telemetry import OTLP_ENDPOINT_ENVS, TRACE_FILE_ENV, default_trace_file
+        from common.telemetry import OTLP_ENDPOINT_ENVS, TRACE_FILE_ENV, default_trace_file
 
         if not any(env.get(k) for k in (*OTLP_ENDPOINT_ENVS, TRACE_FILE_ENV)):
             env[TRACE_FILE_ENV] = str(default_trace_file())  # no collector: spans for `tandem trace`

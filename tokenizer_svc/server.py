@@ -20,12 +20,10 @@ from typing import TypeVar
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from protos import tokenizer_pb2 as pb
-from protos import tokenizer_pb2_grpc as pb_grpc
-from tandem import telemetry
-from tandem.cli import resolve_model
-from tandem.metrics import TTFT_BUCKETS, add_metrics_args
-from tandem.service import (
+from common import telemetry
+from common.engine_args import resolve_model
+from common.metrics import TTFT_BUCKETS, add_metrics_args
+from common.service import (
     Service,
     announce,
     setup_logging,
@@ -34,8 +32,10 @@ from tandem.service import (
     stop_observability,
     stop_signal,
 )
-from tandem.settings import env_default
-from tandem.tls import ServiceTLS, add_tls_args, setup
+from common.settings import env_default
+from common.tls import ServiceTLS, add_tls_args, setup
+from protos import tokenizer_pb2 as pb
+from protos import tokenizer_pb2_grpc as pb_grpc
 from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer, TokenizerInputError
 
 log = logging.getLogger("tandem.tokenizer")
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     tls = setup(args, "tokenizer")
     try:
         asyncio.run(serve(args, tls))
-    except OSError as exc:  # no tokenizer.json, port taken
+    except (OSError, ValueError) as exc:  # no model or tokenizer.json, port taken
         log.error("the tokenizer service cannot start: %s", exc)
         return 1
     return 0

@@ -19,13 +19,13 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from common.service import channel
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from tandem.bench.datasets import BenchRequest
 from tandem.bench.metrics import RequestRecord
 from tandem.client import auth_metadata, stream_generate
-from tandem.service import channel
 
 MAX_ERROR_BODY = 300
 

@@ -63,7 +63,7 @@ def parse_modes(text: str) -> list[str]:
 
 def run_topology(mode: str, args: argparse.Namespace) -> list[RunResult]:
     """Start the ``mode`` cluster, sweep the rates against its gateway, stop it."""
-    from tandem.cli import engine_flags
+    from common.engine_args import engine_flags
     from tandem.launcher import Cluster, ClusterConfig
 
     plan = affinity_plan(mode, usable_cpus()) if args.pin else {}

@@ -69,7 +69,7 @@ async def one_migration(cluster, prompt: list[int], n: int) -> dict[str, float]:
 
 
 def measure(variant: str, flags: list[str], ns: list[int], args: argparse.Namespace) -> dict[int, list[dict]]:
-    from tandem.cli import engine_flags
+    from common.engine_args import engine_flags
     from tandem.launcher import Cluster, ClusterConfig
 
     config = ClusterConfig(num_prefill=1, num_decode=2, gateway_port=0, engine_args=engine_flags(args),

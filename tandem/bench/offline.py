@@ -127,8 +127,8 @@ def weight_bytes(engine) -> int:
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
+    from common.engine_args import engine_config
     from engine import Engine
-    from tandem.cli import engine_config
 
     args.dtype = dtype
     engine = Engine(engine_config(args))
@@ -146,7 +146,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_pro
 def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tandem.cli import resolve_model
+    from common.engine_args import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, dtype)).eval()
     pad = model.config.eos_token_id
@@ -166,9 +166,9 @@ def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.engine_args import engine_config, resolve_model
     from engine import ModelConfig
     from tandem.bench.scheduling import SCENARIOS, format_scenarios, run_scenarios
-    from tandem.cli import engine_config, resolve_model
 
     threads = args.num_threads or torch.get_num_threads()
     args.num_threads = threads

@@ -25,12 +25,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.service import channel
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from tandem import otlp_receiver
 from tandem.bench.metrics import percentile
 from tandem.client import stream_generate
-from tandem.service import channel
 
 TARGET_TTFT_OVERHEAD_MS = 25.0
 TARGET_ITL_OVERHEAD = 0.10
@@ -84,9 +84,9 @@ class InProcess:
     """The engine in this process, behind the same async front the workers use."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from common.engine_args import engine_config
         from engine.async_engine import AsyncEngine
         from engine.engine import Engine
-        from tandem.cli import engine_config
 
         self.engine = AsyncEngine(Engine(engine_config(args)))
         self._ids = 0
@@ -164,7 +164,7 @@ def report(series: dict[str, Series], ttft_target: float | None, itl_target: flo
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_flags, resolve_model
+    from common.engine_args import engine_flags, resolve_model
     from tandem.launcher import Cluster, ClusterConfig, read_model_config
 
     if args.num_threads is None:

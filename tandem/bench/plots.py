@@ -19,7 +19,7 @@ from tandem.bench.metrics import latencies
 from tandem.bench.report import format_rate
 
 if TYPE_CHECKING:
-    from tandem.bench.serve import RunResult
+    from tandem.bench.results import RunResult
 
 CDF_PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 

@@ -23,9 +23,9 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common.settings import env_default
 from tandem.bench.backends import Backend, GatewayBackend, OpenAIBackend
 from tandem.bench.datasets import (
     BenchRequest,
@@ -35,12 +35,12 @@ from tandem.bench.datasets import (
     check_dataset_args,
     word_ids,
 )
-from tandem.bench.metrics import RequestRecord, compute_metrics, parse_slo, record_to_json
+from tandem.bench.metrics import RequestRecord, compute_metrics, parse_slo
 from tandem.bench.progress import Progress
 from tandem.bench.report import format_rate, format_report, markdown_table
-from tandem.bench.timeline import StatsPoller, TimelineSample
-from tandem.cli import DEFAULT_GATEWAY
-from tandem.settings import env_default
+from tandem.bench.results import Load, RunResult
+from tandem.bench.timeline import StatsPoller
+from tandem.client import DEFAULT_GATEWAY
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -107,31 +107,6 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random) 
         offsets.append(t)
         t += rng.gammavariate(burstiness, scale)
     return offsets
-
-
-@dataclass(slots=True)
-class Load:
-    rate: float
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-
-
-@dataclass
-class RunResult:
-    """One rate's run: every request's record, the timeline, and the figures."""
-
-    load: Load
-    records: list[RequestRecord]
-    t0: float
-    duration: float
-    timeline: list[TimelineSample]
-    metrics: dict
-
-    def to_json(self) -> dict:
-        return {"rate": format_rate(self.load.rate), "burstiness": self.load.burstiness,
-                "max_concurrency": self.load.max_concurrency, "metrics": self.metrics,
-                "timeline": [asdict(s) for s in self.timeline],
-                "requests": [record_to_json(r, self.t0) for r in self.records]}
 
 
 async def run_load(backend: Backend, requests: list[BenchRequest], load: Load, *, seed: str | int = 0,
@@ -209,7 +184,7 @@ async def sweep(backend: Backend, args: argparse.Namespace, vocab: int, gateway:
 def tokenizer_file(path: str | None) -> str:
     """tokenizer.json from a file or a model folder (default: the bundled model's)."""
     if path is None:
-        from tandem.cli import resolve_model
+        from common.engine_args import resolve_model
 
         path = str(resolve_model(None))
     p = Path(path)

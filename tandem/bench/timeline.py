@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.service import channel
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from tandem.service import channel
 
 
 @dataclass(slots=True)

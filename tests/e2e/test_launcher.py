@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from common.engine_args import engine_flags
 from kvstore.server import DEFAULT_BLOCK_BYTES
 from protos import common_pb2, gateway_pb2
-from tandem.cli import build_parser, engine_flags
+from tandem.cli import build_parser
 from tandem.client import StreamStats, build_request, format_summary
 from tandem.launcher import (
     Cluster,

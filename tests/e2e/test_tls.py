@@ -13,6 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.service import channel
+from common.tls import ClientTLS
 from protos import kvstore_pb2 as kpb
 from protos import kvstore_pb2_grpc as kpb_grpc
 from protos import tokenizer_pb2 as tpb
@@ -22,8 +24,6 @@ from protos import worker_pb2_grpc as wpb_grpc
 from tandem.client import build_request, stream_generate
 from tandem.dev_certs import DevCA
 from tandem.launcher import Cluster, ClusterConfig
-from tandem.service import channel
-from tandem.tls import ClientTLS
 from tests.e2e.pipeline import WORKER_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]

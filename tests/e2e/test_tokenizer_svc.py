@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.service import start_server
 from protos import tokenizer_pb2 as pb
 from protos import tokenizer_pb2_grpc as pb_grpc
-from tandem.service import start_server
 from tokenizer_svc.server import SERVICE_NAME, TokenizerService, build_service
 from tokenizer_svc.tokenizer import TextTokenizer
 

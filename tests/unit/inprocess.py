@@ -15,11 +15,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from common.metrics import RequestMetrics
+from common.service import RunningServer, Service, start_server
 from gateway.server import SERVICE_NAME, Gateway, add_args, add_gateway_servicer
 from tandem.launcher import Cluster, ClusterConfig, ServiceProcess, ServiceSpec
-from tandem.metrics import RequestMetrics
 from tandem.model_fetch import MODEL_NAME
-from tandem.service import RunningServer, Service, start_server
 from tests.e2e.pipeline import WORKER_ARGS
 from tokenizer_svc.server import build_service
 from tokenizer_svc.tokenizer import TextTokenizer

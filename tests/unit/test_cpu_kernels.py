@@ -8,13 +8,13 @@ produces (remainders, biases, strided rows) and on bad input.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import argparse
 
 import pytest
 import torch
 
+from common.engine_args import add_engine_args, engine_config
+from common.paths import kernels_dir
 from engine import Engine, SamplingParams, cpu_ops
 from engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, build_metadata
 from engine.kernels import CpuKernels, TorchKernels
@@ -181,8 +181,18 @@ def test_engine_on_kernels_agrees_with_eager_torch(tiny_llama, dtype, atol, step
 def test_kernels_are_the_cpu_default_and_can_be_turned_off(tiny_llama):
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=8)
     assert (engine.runner.attn.name, engine.runner.model.kernels.name) == ("cpu", "cpu")
-    code = (f"from engine import Engine; e = Engine.from_model({str(tiny_llama)!r}, num_kv_blocks=8); "
-            "print(e.runner.attn.name, e.runner.model.kernels.name)")
-    env = {**os.environ, "TANDEM_CPU_KERNELS": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["torch", "torch"]
+    off = Engine.from_model(str(tiny_llama), num_kv_blocks=8, cpu_kernels=False)
+    assert [off.runner.attn.name, off.runner.model.kernels.name] == ["torch", "torch"]
+
+
+def test_the_kernel_switch_and_cache_folder_come_from_the_flags(tiny_llama, monkeypatch, tmp_path):
+    """``TANDEM_CPU_KERNELS=0`` / ``--no-cpu-kernels`` and ``$TANDEM_HOME`` reach the engine through its
+    config: the engine itself reads no tandem setting."""
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config(parser.parse_args(["--model", str(tiny_llama)]))
+    assert (config.cpu_kernels, config.kernel_cache_dir) == (False, str(tmp_path / "kernels"))
+    assert kernels_dir() == tmp_path / "kernels"
+    assert parser.parse_args(["--cpu-kernels"]).cpu_kernels is True

@@ -434,8 +434,8 @@ def test_gateway_autoscaling_and_disruption_budgets(rendered):
 def test_engine_variables_are_real_flags(rendered):
     """Every TANDEM_* variable the chart sets is a flag of the service it configures, so the chart cannot drift
     from `tandem serve <name> --help`."""
+    from common.settings import env_name
     from tandem.cli import build_parser
-    from tandem.settings import env_name
 
     parser = build_parser()
     serve = next(a for a in parser._subparsers._group_actions[0].choices["serve"]._actions

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.service import start_server
 from gateway.validation import (
     MAX_CHAT_MESSAGES,
     MAX_PROMPT_CHARS,
@@ -26,7 +27,6 @@ from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
 from protos import tokenizer_pb2 as tpb
 from protos import tokenizer_pb2_grpc as tpb_grpc
-from tandem.service import start_server
 from tests.unit.inprocess import LoopThread, Stack
 from tokenizer_svc import tokenizer as tokenizer_module
 from tokenizer_svc.server import build_service

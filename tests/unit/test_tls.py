@@ -1,4 +1,4 @@
-"""tandem.tls: the TLS flags, loading and checking certificate files (with errors that name the flag and the
+"""common.tls: the TLS flags, loading and checking certificate files (with errors that name the flag and the
 file), the throwaway CA of `tandem up --tls`, and in-process servers that refuse what they should."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem import tls
+from common import tls
+from common.service import channel, start_server
+from common.tls import ClientTLS, ServerTLS, ServiceTLS, TLSConfigError
 from tandem.dev_certs import VALIDITY, DevCA
-from tandem.service import channel, start_server
-from tandem.tls import ClientTLS, ServerTLS, ServiceTLS, TLSConfigError
 
 
 @pytest.fixture(scope="module")

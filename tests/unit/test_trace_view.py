@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import set_span_in_context
 
-from tandem.telemetry import JsonlSpanExporter
+from common.telemetry import JsonlSpanExporter
 from tandem.trace_view import add_args, load_spans, requests, run, select
 
 BREAKDOWN = {"ttft.tokenize_ms": 2.0, "ttft.route_ms": 1.0, "ttft.prefill_queue_ms": 0.5,

@@ -16,12 +16,12 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from common.metrics import RequestMetrics
+from common.service import Service, start_server
+from common.tls import ClientTLS, install, internal_client
 from gateway.server import SERVICE_NAME, Gateway, add_args, add_gateway_servicer, check_args
 from gateway.workers import DnsTarget, parse_dns, resolve_dns, tls_checking
 from protos import common_pb2 as cpb
-from tandem.metrics import RequestMetrics
-from tandem.service import Service, start_server
-from tandem.tls import ClientTLS, install, internal_client
 from tests.e2e.pipeline import call, generate, token_request, wait_until, worker_stats
 from tests.unit.inprocess import LoopThread
 from tokenizer_svc.server import build_service

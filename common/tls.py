@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 
-from tandem.settings import env_default
+from common.settings import env_default
 
 __all__ = [
     "ClientTLS", "ServerTLS", "ServiceTLS", "TLSConfigError", "add_tls_args", "from_args", "install",
@@ -110,7 +110,7 @@ class ServiceTLS:
 
 def add_tls_args(p: argparse.ArgumentParser, public: bool = False) -> None:
     """The TLS flags of a service; ``public`` adds the gateway's public-port and internal-identity flags."""
-    g = p.add_argument_group("transport security (see tandem/tls.py)")
+    g = p.add_argument_group("transport security (see common/tls.py)")
     own = "the public port's" if public else "this service's"
     g.add_argument("--tls-cert", default=env_default("--tls-cert", None, str), metavar="PEM",
                    help=f"{own} certificate chain (with --tls-key: TLS on the gRPC port)")
@@ -194,7 +194,7 @@ _internal: ClientTLS | None = None
 
 
 def install(client: ClientTLS | None) -> None:
-    """Make ``client`` what ``tandem.service.channel`` uses for this process's channels to other services
+    """Make ``client`` what ``common.service.channel`` uses for this process's channels to other services
     (a service sets it once at start, before it opens any; None: plaintext)."""
     global _internal
     _internal = client

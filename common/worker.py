@@ -20,15 +20,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from engine.request import RequestHandedBack, RequestOutput
-from engine.sampling_params import SamplingParams
-from protos import common_pb2 as cpb
-from protos import worker_pb2 as wpb
-from protos import worker_pb2_grpc as wpb_grpc
-from tandem import telemetry
-from tandem.metrics import TTFT_BUCKETS, add_metrics_args, counter, gauge, register_state
-from tandem.pb_convert import sampling_from_pb
-from tandem.service import (
+from common import telemetry
+from common.engine_args import add_engine_args, engine_config
+from common.metrics import TTFT_BUCKETS, add_metrics_args, counter, gauge, register_state
+from common.pb_convert import sampling_from_pb
+from common.service import (
     Service,
     announce,
     setup_logging,
@@ -37,14 +33,20 @@ from tandem.service import (
     stop_observability,
     stop_signal,
 )
-from tandem.settings import env_default
-from tandem.tls import ServiceTLS, add_tls_args, setup
+from common.settings import env_default
+from common.tls import ServiceTLS, add_tls_args, setup
+from engine.request import RequestHandedBack, RequestOutput
+from engine.sampling_params import SamplingParams
+from protos import common_pb2 as cpb
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
 
 if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays for it, not `tandem --help`
+    from engine import EngineConfig
     from engine.async_engine import AsyncEngine
     from engine.engine import Engine
 
-log = logging.getLogger("tandem.worker")
+log = logging.getLogger("common.worker")
 
 
 class WorkerMetrics:
@@ -254,8 +256,6 @@ def ms(seconds: float) -> float:
 
 
 def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
-    from tandem.cli import add_engine_args
-
     add_engine_args(p)
     g = p.add_argument_group("worker")
     g.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address to bind")
@@ -276,20 +276,18 @@ def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
     add_tls_args(p)
 
 
-def build_engine(args: argparse.Namespace, role: str) -> tuple[AsyncEngine, Any]:
-    """The engine in ``role`` with a kvstore connector when ``--kvstore`` is given."""
+def build_engine(
+    args: argparse.Namespace, role: str, make_connector: Callable[[str, EngineConfig], Any] | None = None
+) -> tuple[AsyncEngine, Any]:
+    """The engine in ``role``, with ``make_connector(kvstore_address, config)``'s connector when
+    ``--kvstore`` is given (the service passes the kvstore's: this floor never imports a service)."""
     from engine.async_engine import AsyncEngine
     from engine.engine import Engine
-    from tandem.cli import engine_config
 
     config = engine_config(args)
     config.role = role
     config.push_generated_blocks = args.push_generated_blocks
-    connector = None
-    if args.kvstore:
-        from kvstore.connector import KVStoreConnector
-
-        connector = KVStoreConnector(args.kvstore, config)
+    connector = make_connector(args.kvstore, config) if args.kvstore and make_connector else None
     return AsyncEngine(Engine(config, connector)), connector
 
 
@@ -318,7 +316,11 @@ async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace, t
 def run(name: str, args: argparse.Namespace, make: Callable[[argparse.Namespace], WorkerServicer]) -> int:
     setup_logging()
     tls = setup(args, name)  # before make: the kvstore connector opens its channel there
-    servicer = make(args)
+    try:
+        servicer = make(args)
+    except ValueError as exc:  # no model yet, a bad engine flag: say so, no traceback
+        log.error("the %s worker cannot start: %s", name, exc)
+        return 1
     try:
         asyncio.run(serve(name, servicer, args, tls))
     finally:

@@ -29,7 +29,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-log = logging.getLogger("tandem.telemetry")
+from common.paths import tandem_home
+
+log = logging.getLogger("common.telemetry")
 
 TRACER = "tandem"
 TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
@@ -40,8 +42,6 @@ _WALL_MINUS_MONO_NS = time.time_ns() - time.monotonic_ns()
 
 
 def default_trace_file() -> Path:
-    from tandem.model_fetch import tandem_home
-
     return tandem_home() / "traces.jsonl"
 
 

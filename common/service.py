@@ -6,7 +6,7 @@ to a free port when asked), prints ``<NAME> READY grpc=host:port ...`` and then
 ``wait_for_signal``; health goes NOT_SERVING before the server drains, so that
 load balancers stop sending first.
 
-Transport security (``tandem.tls``): ``start_server`` binds its port with TLS when the service's
+Transport security (``common.tls``): ``start_server`` binds its port with TLS when the service's
 ``ServiceTLS`` has server credentials, and then serves ``grpc.health.v1`` alone on a plaintext health
 port too (Kubernetes' gRPC probes cannot speak TLS); ``channel`` opens every channel to another
 service with the credentials the process installed at start (mutual TLS), plaintext without.
@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.tls import ClientTLS, ServerTLS, ServiceTLS, internal_client
+from common.tls import ClientTLS, ServerTLS, ServiceTLS, internal_client
 
 # Large enough for a 128k-token prompt of uint32 ids with room to spare; the gateway
 # enforces its own, tighter limits on what a client may send.
@@ -146,8 +146,8 @@ async def start_server(services: Sequence[Service], host: str, port: int,
 
 def start_observability(kind: str, host: str, grpc_port: int, metrics_port: int) -> dict[str, str]:
     """Tracing and the /metrics endpoint of one service process; the fields its READY line adds."""
-    from tandem import telemetry
-    from tandem.metrics import serve_metrics
+    from common import telemetry
+    from common.metrics import serve_metrics
 
     telemetry.setup_tracing(kind, f"{host}:{grpc_port}")
     port = serve_metrics(host, metrics_port)
@@ -155,7 +155,7 @@ def start_observability(kind: str, host: str, grpc_port: int, metrics_port: int)
 
 
 def stop_observability() -> None:
-    from tandem import telemetry
+    from common import telemetry
 
     telemetry.shutdown_tracing()
 
@@ -183,7 +183,7 @@ def setup_logging() -> None:
 def channel(address: str, tls: ClientTLS | None = None) -> grpc.aio.Channel:
     """A client channel to another tandem service, with the shared limits and keepalives.
 
-    TLS: ``tls`` when given, else what this process installed at start (``tandem.tls.setup``: a
+    TLS: ``tls`` when given, else what this process installed at start (``common.tls.setup``: a
     service's mutual-TLS identity), else plaintext.
     """
     tls = tls or internal_client()

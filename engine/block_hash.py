@@ -21,9 +21,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.kv_blocks import KV_LAYOUT
+
 HASH_DOMAIN = b"tandem-kv-v1"
-# Bump when the bytes of a block change meaning: the wire layout below, or how K/V are stored.
-KV_LAYOUT = "v1:[num_layers,2,block_size,num_kv_heads,head_dim]"
 HASH_BYTES = 32
 
 _SAMPLES_PER_FILE = 16

@@ -4,44 +4,54 @@ An engine calls its connector from the engine thread only, between steps:
 
 - ``save_blocks`` (producer side): blocks of a request that are final, i.e. full
   blocks of its prompt as soon as their chunk is computed, and the trailing
-  partial block once the prompt is done. Full blocks come with their key
-  (``engine.block_hash``); the partial one has none and is request-scoped.
+  partial block once the prompt is done, each with its ``BlockRef``: a full
+  block's key (``engine.block_hash``), or the request-scoped ``PartialRef`` of
+  the partial one.
 - ``start_load`` / ``poll_loads`` (consumer side): fill blocks of a request from
   outside. Loads may run in the background; the engine writes what ``poll_loads``
   returns into its cache, so a connector never touches the cache tensors.
 - ``request_finished``: the request left the engine (done, aborted, failed);
   release whatever the connector holds for it.
 
-Blocks travel in the wire layout of ARCHITECTURE.md, ``[n, num_layers, 2,
-block_size, num_kv_heads, head_dim]`` in the model dtype.
+Blocks travel in the wire layout of ``engine.kv_blocks`` (``[n, *wire_block_shape]``)
+in the model dtype.
+
+A worker holds the same connector from the other side (``KVConnectorWorkerSide``):
+it ties transfers to a request's trace, waits for a request's pushes before
+handing the request on, and closes the connector when the process stops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from engine.kv_blocks import BlockRef, PartialRef
 from engine.request import Request
 
 
-def block_ref(request: Request, index: int) -> bytes | tuple[str, int]:
+def block_ref(request: Request, index: int) -> BlockRef:
     """Where block ``index`` of a request is kept outside: by its key when it is full (shared),
     by (request id, index) when it is the trailing partial block (request-scoped)."""
     if index < len(request.block_hashes):
         return request.block_hashes[index]
-    return (request.request_id, index)
+    return PartialRef(request.request_id, index)
 
 
 @dataclass(slots=True)
 class LoadResult:
     request_id: str
-    data: torch.Tensor | None  # [num_blocks, layers, 2, block_size, Hkv, D], None on error
+    data: torch.Tensor | None  # [num_blocks, *wire_block_shape], None on error
     error: str | None = None
 
 
 class KVConnector:
-    def save_blocks(self, request: Request, first_block: int, keys: list[bytes | None], data: torch.Tensor) -> None:
+    """The engine's side of the seam, called from the engine thread between steps."""
+
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
+        """``refs[i]`` names block ``first_block + i``, whose bytes are ``data[i]``."""
         raise NotImplementedError
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
@@ -54,6 +64,37 @@ class KVConnector:
         """Default: nothing to release."""
 
 
+@runtime_checkable
+class KVConnectorWorkerSide(Protocol):
+    """What a worker calls on its connector, from its asyncio loop rather than the engine thread.
+
+    A Protocol, not a base class: ``LocalKVTransfer`` needs none of it, and the worker shell
+    (``common.worker``) must not depend on the kvstore's connector, which implements it.
+    """
+
+    def trace(self, request_id: str, ctx: Any | None) -> None:
+        """So that the request's transfers show up in its trace (None: the request is over, forget it)."""
+
+    async def wait_saved(self, request_id: str, timeout: float = 30.0) -> int:
+        """How many of the request's blocks failed to save, once its pushes so far are done: a producer
+        hands a request on only after this, so the next worker finds its blocks."""
+
+    def discard_request(self, request_id: str) -> None:
+        """Nobody will load the request's partial blocks (it ended, or was cancelled): drop them now
+        rather than leave them to expire."""
+
+    @property
+    def num_pending_saves(self) -> int:
+        """Pushes in flight: the worker reports them as load."""
+
+    @property
+    def num_pending_loads(self) -> int:
+        """Pulls in flight: the worker reports them as load."""
+
+    def close(self) -> None:
+        """Before the process exits: pushes in flight finish, so no block a peer was promised is lost."""
+
+
 class LocalKVTransfer(KVConnector):
     """An in-process block store shared by engines in one process (tests, single-process runs).
 
@@ -63,16 +104,15 @@ class LocalKVTransfer(KVConnector):
 
     def __init__(self) -> None:
         self.full: dict[bytes, torch.Tensor] = {}
-        self.partial: dict[tuple[str, int], torch.Tensor] = {}
+        self.partial: dict[PartialRef, torch.Tensor] = {}
         self._done: list[LoadResult] = []
 
-    def save_blocks(self, request: Request, first_block: int, keys: list[bytes | None], data: torch.Tensor) -> None:
-        for i, key in enumerate(keys):
-            block = data[i].clone()
-            if key is None:
-                self.partial[(request.request_id, first_block + i)] = block
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
+        for i, ref in enumerate(refs):
+            if isinstance(ref, bytes):
+                self.full[ref] = data[i].clone()
             else:
-                self.full[key] = block
+                self.partial[ref] = data[i].clone()
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
         blocks = []
@@ -84,7 +124,7 @@ class LocalKVTransfer(KVConnector):
                 return
             blocks.append(block)
         for index in range(first_block, first_block + num_blocks):
-            self.partial.pop((request.request_id, index), None)
+            self.partial.pop(PartialRef(request.request_id, index), None)
         self._done.append(LoadResult(request.request_id, torch.stack(blocks)))
 
     def poll_loads(self) -> list[LoadResult]:

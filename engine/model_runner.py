@@ -7,6 +7,7 @@ import torch
 from engine.attention import build_metadata, select_backend
 from engine.config import EngineConfig
 from engine.kernels import load_cpu_ops, select_kernels
+from engine.kv_blocks import wire_block_bytes, wire_block_shape
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 
@@ -41,31 +42,24 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers: the wire size of a block."""
-        mc = self.config.model_config
         itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        return mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+        return wire_block_bytes(self.config.model_config, self.block_size, itemsize)
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of blocks in the wire layout ``[n, num_layers, 2, block_size, Hkv, D]``, on the CPU."""
+        """A copy of blocks in the wire layout ``[n, *wire_block_shape]``, on the CPU."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = torch.stack([self.attn.read_blocks(cache, ids) for cache in self.kv_caches], dim=1)
         return data.to("cpu").contiguous()
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``)."""
-        expected = (len(block_ids), len(self.kv_caches), *self.wire_block_shape)
+        expected = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {expected}")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(device=self.device, dtype=self.config.torch_dtype)
         for layer, cache in enumerate(self.kv_caches):
             self.attn.write_blocks(cache, ids, data[:, layer])
-
-    @property
-    def wire_block_shape(self) -> tuple[int, int, int, int]:
-        """One layer of one block on the wire: ``[2, block_size, Hkv, D]``."""
-        mc = self.config.model_config
-        return (2, self.block_size, mc.num_kv_heads, mc.head_dim)
 
     def _blocks_for(self, gigabytes: float) -> int:
         return max(1, int(gigabytes * 2**30) // self.block_bytes)

@@ -30,8 +30,8 @@ import numpy as np
 import xxhash
 
 from common.service import channel
+from engine.kv_blocks import BlockRef, PartialRef
 from kvstore.data_plane import DataPlaneClient
-from kvstore.pool import BlockKey, PartialKey
 from kvstore.pool_mappings import PoolMappings
 from kvstore.ucp_memory import MappedRegion, shared_memory_enabled
 from protos import kvstore_pb2 as pb
@@ -58,11 +58,15 @@ def checksum(block: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(block)
 
 
-def _commit_block(slot: int, key: BlockKey, block: np.ndarray) -> pb.CommitBlock:
+def _partial_pb(ref: PartialRef) -> pb.PartialRef:
+    return pb.PartialRef(request_id=ref.request_id, index=ref.index)
+
+
+def _commit_block(slot: int, ref: BlockRef, block: np.ndarray) -> pb.CommitBlock:
     common = dict(slot=slot, length=block.nbytes, checksum=checksum(block))
-    if isinstance(key, bytes):
-        return pb.CommitBlock(key=key, **common)
-    return pb.CommitBlock(partial=pb.PartialRef(request_id=key[0], index=key[1]), **common)
+    if isinstance(ref, bytes):
+        return pb.CommitBlock(key=ref, **common)
+    return pb.CommitBlock(partial=_partial_pb(ref), **common)
 
 
 class KVStoreClient:
@@ -88,7 +92,7 @@ class KVStoreClient:
                                        timeout=timeout)
         await self.mappings.region_for(self.address, found.pool_id, found.pool_map)  # and map the pool, if it can
 
-    async def push(self, blocks: Sequence[tuple[BlockKey, np.ndarray]], timeout: float = 30.0,
+    async def push(self, blocks: Sequence[tuple[BlockRef, np.ndarray]], timeout: float = 30.0,
                    metadata: Sequence[tuple[str, str]] | None = None) -> int:
         """Store blocks (contiguous uint8 arrays of one block each); how many were new to the store.
 
@@ -115,7 +119,7 @@ class KVStoreClient:
         return done.committed
 
     async def pull(
-        self, keys: Sequence[bytes], partials: Sequence[PartialKey] = (), timeout: float = 30.0,
+        self, keys: Sequence[bytes], partials: Sequence[PartialRef] = (), timeout: float = 30.0,
         metadata: Sequence[tuple[str, str]] | None = None, out: Sequence[np.ndarray] | None = None,
     ) -> PullResult:
         """The longest stored prefix of ``keys`` (then ``partials``, if every key was found).
@@ -126,7 +130,7 @@ class KVStoreClient:
         """
         if out is not None and len(out) < len(keys) + len(partials):
             raise ValueError(f"{len(out)} destination blocks for {len(keys) + len(partials)} blocks asked for")
-        refs = [pb.PartialRef(request_id=r, index=i) for r, i in partials]
+        refs = [_partial_pb(p) for p in partials]
         found = await self.stub.Lookup(pb.LookupRequest(keys=list(keys), partials=refs, lease=True,
                                                         map_pool=self.mappings.wants_map(self.address)),
                                        timeout=timeout, metadata=metadata)

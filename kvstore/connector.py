@@ -25,18 +25,19 @@ import torch
 from common import telemetry
 from common.metrics import transfer_metrics
 from engine.config import EngineConfig
+from engine.kv_blocks import BlockRef, PartialRef, wire_block_shape
 from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.request import Request
 from kvstore.client import KVStoreClient
-from kvstore.pool import BlockKey
 
 log = logging.getLogger("tandem.kvstore.connector")
 
 
 class KVStoreConnector(KVConnector):
+    """Both sides of the seam: ``KVConnector`` for the engine, ``KVConnectorWorkerSide`` for the worker."""
+
     def __init__(self, address: str, config: EngineConfig) -> None:
-        mc = config.model_config
-        self.block_shape = (mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.block_shape = wire_block_shape(config.model_config, config.block_size)
         self.dtype = config.torch_dtype
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
@@ -74,17 +75,14 @@ class KVStoreConnector(KVConnector):
         with self._lock:
             return self._traces.get(request_id)
 
-    def save_blocks(self, request: Request, first_block: int, keys: list[bytes | None], data: torch.Tensor) -> None:
-        blocks: list[tuple[BlockKey, np.ndarray]] = [
-            (key if key is not None else (request.request_id, first_block + i), _as_bytes(data[i]))
-            for i, key in enumerate(keys)
-        ]
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
+        blocks = [(ref, _as_bytes(data[i])) for i, ref in enumerate(refs)]
         fut = self._call(self._push(blocks, first_block, self._trace_of(request.request_id)))
         with self._lock:
             self._saves[fut] = (request.request_id, len(blocks))
         fut.add_done_callback(self._saved)
 
-    async def _push(self, blocks: list[tuple[BlockKey, np.ndarray]], first_block: int, ctx: Any) -> int:
+    async def _push(self, blocks: list[tuple[BlockRef, np.ndarray]], first_block: int, ctx: Any) -> int:
         nbytes = sum(b.nbytes for _, b in blocks)
         with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(blocks), "tandem.kv.bytes": nbytes,
                                                          "tandem.kv.first_block": first_block}) as span:
@@ -172,14 +170,14 @@ class KVStoreConnector(KVConnector):
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
         refs = [block_ref(request, i) for i in range(first_block, first_block + num_blocks)]
         keys = [r for r in refs if isinstance(r, bytes)]
-        partials = [r for r in refs if not isinstance(r, bytes)]
+        partials = [r for r in refs if isinstance(r, PartialRef)]
         with self._lock:
             self._pulls += 1
             if partials:
                 self._touched.add(request.request_id)
         self._call(self._load(request.request_id, keys, partials, num_blocks, self._trace_of(request.request_id)))
 
-    async def _load(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
+    async def _load(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
                     ctx: Any) -> None:
         with telemetry.span("kv.pull", ctx, attributes={"tandem.kv.blocks": n}) as span:
             try:
@@ -192,7 +190,7 @@ class KVStoreConnector(KVConnector):
             self._done.append(result)
             self._pulls -= 1
 
-    async def _pull(self, request_id: str, keys: list[bytes], partials: list[tuple[str, int]], n: int,
+    async def _pull(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
                     span: Any) -> LoadResult:
         staging = torch.empty((n, *self.block_shape), dtype=self.dtype)  # the blocks land here, once
         rows = list(staging.view(n, -1).view(torch.uint8).numpy())

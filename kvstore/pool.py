@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PartialKey = tuple[str, int]  # (request id, block index): request-scoped trailing blocks
-BlockKey = bytes | PartialKey
+from engine.kv_blocks import BlockRef, PartialRef
+
 TOKEN_BYTES = 16  # a data-plane capability: 128 random bits
 
 
@@ -45,7 +45,7 @@ class UnknownHandleError(KeyError):
 
 @dataclass(slots=True)
 class Stored:
-    key: BlockKey
+    key: BlockRef
     length: int
     checksum: int
     expires: float | None = None  # partial blocks only
@@ -88,7 +88,7 @@ class PoolStats:
 @dataclass(slots=True)
 class Commit:
     slot: int
-    key: BlockKey
+    key: BlockRef
     length: int
     checksum: int
 
@@ -130,7 +130,7 @@ class BlockPool:
         self._lock = threading.Lock()
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._stored: dict[int, Stored] = {}
-        self._by_key: dict[BlockKey, int] = {}
+        self._by_key: dict[BlockRef, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # committed, unleased, oldest use first
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, Lease] = {}
@@ -183,7 +183,7 @@ class BlockPool:
             for c in commits:
                 if c.key in self._by_key or c.slot in used:
                     continue
-                expires = self.clock() + self.partial_ttl_s if isinstance(c.key, tuple) else None
+                expires = self.clock() + self.partial_ttl_s if isinstance(c.key, PartialRef) else None
                 self._stored[c.slot] = Stored(c.key, c.length, c.checksum, expires)
                 self._by_key[c.key] = c.slot
                 self._lru[c.slot] = None
@@ -193,7 +193,7 @@ class BlockPool:
             self.stats.commits += len(stored)
             return stored
 
-    def forget(self, keys: list[BlockKey]) -> None:
+    def forget(self, keys: list[BlockRef]) -> None:
         """Drop stored blocks (their index entry could not be written: nobody could find them)."""
         with self._lock:
             for key in keys:
@@ -209,7 +209,7 @@ class BlockPool:
 
     # -- readers -------------------------------------------------------------------------------
 
-    def find(self, keys: list[BlockKey]) -> list[tuple[int, Stored] | None]:
+    def find(self, keys: list[BlockRef]) -> list[tuple[int, Stored] | None]:
         with self._lock:
             out = []
             for key in keys:
@@ -257,7 +257,7 @@ class BlockPool:
         """The decode worker pulled a request's partial blocks: they are never shared, free them
         (a leased one when its leases end: it expires at the next ``expire``)."""
         with self._lock:
-            keys = [k for k in self._by_key if isinstance(k, tuple) and k[0] == request_id]
+            keys = [k for k in self._by_key if isinstance(k, PartialRef) and k.request_id == request_id]
             now = self.clock()
             for key in keys:
                 slot = self._by_key[key]
@@ -372,7 +372,7 @@ class BlockPool:
                 "free_blocks": len(self._free),
                 "reserved_blocks": sum(len(r.slots) for r in self._reservations.values()),
                 "leased_blocks": sum(1 for e in self._stored.values() if e.leases),
-                "partial_blocks": sum(1 for e in self._stored.values() if isinstance(e.key, tuple)),
+                "partial_blocks": sum(1 for e in self._stored.values() if isinstance(e.key, PartialRef)),
                 "active_leases": len(self._leases),
                 "active_reservations": len(self._reservations),
                 "evictions": self.stats.evictions,

@@ -32,10 +32,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.kv_blocks import wire_block_bytes
 
 if TYPE_CHECKING:
     from common.tls import ClientTLS
@@ -77,13 +79,24 @@ def read_model_config(model_dir: str | Path) -> dict:
 
 
 def kv_block_bytes(config: dict, dtype: str, block_size: int = 16) -> int:
-    """Bytes of one KV block ``[layers, K/V, block_size, kv_heads, head_dim]``: the kvstore's slot size."""
+    """Bytes of one KV block in the wire layout (``engine.kv_blocks``): the kvstore's slot size.
+
+    Read from ``config.json`` as the engine reads it, without loading torch (``tandem up`` stays light).
+    """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return config["num_hidden_layers"] * 2 * block_size * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    dims = _KVDims(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
+                   config.get("head_dim") or config["hidden_size"] // heads)
+    return wire_block_bytes(dims, block_size, DTYPE_BYTES[dtype])
+
+
+class _KVDims(NamedTuple):
+    """The fields of ``engine.config.ModelConfig`` that size a KV block (that module loads torch)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 def default_log_dir() -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv_blocks import PartialRef
 from kvstore.pool import TOKEN_BYTES, BlockPool, CapacityError, Commit, UnknownHandleError
 
 
@@ -55,12 +56,12 @@ def test_first_copy_of_a_key_wins_and_lru_evicts_unleased_only():
 def test_partials_leases_and_reservations_expire():
     clock = Clock()
     pool = BlockPool(4 * 16, 16, partial_ttl_s=5, clock=clock)
-    store(pool, [("req-1", 3), key(9)])
+    store(pool, [PartialRef("req-1", 3), key(9)])
     rid, _, _ = pool.reserve(1, ttl_s=2)
     lease = pool.lease([pool.find([key(9)])[0][0]], ttl_s=3)
     clock.now = 6
     pool.expire()
-    assert pool.find([("req-1", 3)]) == [None]  # request-scoped block past its TTL
+    assert pool.find([PartialRef("req-1", 3)]) == [None]  # request-scoped block past its TTL
     assert pool.find([key(9)])[0] is not None  # full blocks do not expire
     snap = pool.snapshot()
     assert snap["active_reservations"] == 0 and snap["active_leases"] == 0 and snap["free_blocks"] == 3
@@ -72,9 +73,10 @@ def test_partials_leases_and_reservations_expire():
 
 def test_pulled_partials_are_dropped_for_their_request_only():
     pool = BlockPool(4 * 16, 16)
-    store(pool, [("a", 0), ("a", 1), ("b", 0)])
+    store(pool, [PartialRef("a", 0), PartialRef("a", 1), PartialRef("b", 0)])
     assert pool.drop_partials("a") == 2
-    assert pool.find([("a", 0), ("b", 0)])[0] is None and pool.find([("b", 0)])[0] is not None
+    assert (pool.find([PartialRef("a", 0), PartialRef("b", 0)])[0] is None
+            and pool.find([PartialRef("b", 0)])[0] is not None)
 
 
 # -- data-plane capabilities ----------------------------------------------------------------------
@@ -171,11 +173,11 @@ def test_a_transfer_in_flight_pins_its_blocks_and_slots():
 
 def test_a_leased_partial_block_outlives_its_drop_until_the_lease_ends():
     pool = BlockPool(4 * 16, 16)
-    (slot,) = store(pool, [("req", 0)])
+    (slot,) = store(pool, [PartialRef("req", 0)])
     lease = pool.lease([slot], ttl_s=10)
     assert pool.drop_partials("req") == 1
     pool.expire()
     assert pool.snapshot()["stored_blocks"] == 1  # a reader holds it: its slot is not reused under it
     pool.release(lease)
     pool.expire()
-    assert pool.find([("req", 0)]) == [None] and pool.snapshot()["free_blocks"] == 4
+    assert pool.find([PartialRef("req", 0)]) == [None] and pool.snapshot()["free_blocks"] == 4

@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from common.settings import env_default
+from common.status import handled_view
+from protos import gateway_pb2
 
 # Buckets after vLLM's: request latencies span milliseconds to minutes on CPU and GPU alike.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -85,7 +87,9 @@ class RequestMetrics:
         self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated and sent", registry=r)
         self.cached_tokens = Counter("tandem_prompt_tokens_cached",
                                      "Prompt tokens served from a cache (engine or kvstore)", registry=r)
-        self.outcomes = Counter("tandem_requests", "Requests by final gRPC status code", ["code"], registry=r)
+        # Generate calls as the status interceptor counts them (tandem_grpc_server_handled_total), by code.
+        self.outcomes = handled_view("tandem_requests", "Requests by final gRPC status code",
+                                     gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, ("Generate",), r)
         self.running = Gauge("tandem_num_requests_running", "Requests in flight at the gateway", registry=r)
         self.prefill_retries = Counter("tandem_prefill_retries", "Prefill attempts re-sent to another worker",
                                        registry=r)

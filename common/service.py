@@ -1,14 +1,19 @@
 """What every tandem gRPC service shares: a server with health and reflection, the READY
 line the launcher waits for, and a graceful stop on SIGINT / SIGTERM.
 
-A service builds its servicers, hands them to ``start_server`` (which binds port 0
-to a free port when asked), prints ``<NAME> READY grpc=host:port ...`` and then
-``wait_for_signal``; health goes NOT_SERVING before the server drains, so that
-load balancers stop sending first.
+A service hands its servicers to ``start_server`` (port 0: a free port) or, when a servicer must know
+its port first (the kvstore names itself by it), binds with ``create_server`` and then calls
+``RunningServer.start``. It installs ``stop_signal``, prints ``announce``'s ``<NAME> READY
+grpc=host:port ...`` line and waits for that event; ``RunningServer.stop`` turns health NOT_SERVING
+before the server drains, so that load balancers stop sending first.
 
-Transport security (``common.tls``): ``start_server`` binds its port with TLS when the service's
-``ServiceTLS`` has server credentials, and then serves ``grpc.health.v1`` alone on a plaintext health
-port too (Kubernetes' gRPC probes cannot speak TLS); ``channel`` opens every channel to another
+Every server these create maps exceptions escaping its handlers to gRPC statuses, and counts every
+call's outcome, in one place: ``common.status.StatusInterceptor``, with the ``StatusTable`` each
+``Service`` names.
+
+Transport security (``common.tls``): ``create_server`` binds its port with TLS when the service's
+``ServiceTLS`` has server credentials, and ``start`` then serves ``grpc.health.v1`` alone on a plaintext
+health port too (Kubernetes' gRPC probes cannot speak TLS); ``channel`` opens every channel to another
 service with the credentials the process installed at start (mutual TLS), plaintext without.
 """
 
@@ -25,6 +30,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.status import DEFAULT_STATUSES, StatusInterceptor, StatusTable
+from common.status import status_name as status_name  # services find it here; it lives with the interceptor
 from common.tls import ClientTLS, ServerTLS, ServiceTLS, internal_client
 
 # Large enough for a 128k-token prompt of uint32 ids with room to spare; the gateway
@@ -57,21 +64,44 @@ CHANNEL_OPTIONS = [
 
 @dataclass(slots=True)
 class Service:
-    """One registered servicer: ``add`` is the generated ``add_XServicer_to_server``."""
+    """One registered servicer: ``add`` is the generated ``add_XServicer_to_server``; ``statuses`` maps the
+    exceptions its handlers let escape to the statuses their calls end with."""
 
     name: str  # the full proto name, e.g. "tandem.v1.Gateway"
     add: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
+    statuses: StatusTable = DEFAULT_STATUSES
 
 
 @dataclass(slots=True)
 class RunningServer:
+    """A server bound to ``port``; it serves once ``start`` has registered its services."""
+
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
-    names: tuple[str, ...]
+    statuses: StatusInterceptor
+    host: str
+    tls: ServiceTLS
+    names: tuple[str, ...] = ()
     health_server: grpc.aio.Server | None = None  # the plaintext health-only port, when TLS is on
     health_port: int | None = None
+
+    async def start(self, services: Sequence[Service]) -> None:
+        """Register health and reflection next to ``services``, start (with the plaintext health port
+        ``tls`` asks for), and report SERVING."""
+        for s in services:
+            s.add(s.servicer, self.server)
+            self.statuses.tables[s.name] = s.statuses
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.names = tuple(s.name for s in services)
+        reflection.enable_server_reflection((*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
+        await self.server.start()
+        if self.tls.health_port is not None:
+            self.health_server, self.health_port = await start_health_server(self.health, self.host,
+                                                                             self.tls.health_port)
+        await self.set_serving(True)
 
     def ready_fields(self, host: str) -> dict[str, str]:
         """What the READY line adds for this server: the health port's address, if there is one."""
@@ -87,15 +117,6 @@ class RunningServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
-
-
-def status_name(context: grpc.aio.ServicerContext) -> str:
-    """The status a call is ending with: the one it aborted with, else the caller went away."""
-    code = context.code()
-    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
-        return code.name
-    remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = None) -> int:
@@ -117,30 +138,27 @@ async def start_health_server(servicer: health.aio.HealthServicer, host: str, po
     return server, bound
 
 
-async def start_server(services: Sequence[Service], host: str, port: int,
-                       tls: ServiceTLS | None = None, max_receive_bytes: int | None = None) -> RunningServer:
-    """Bind (with TLS when ``tls.server`` is set, plus its plaintext health port), register health and
-    reflection next to ``services``, start, and report SERVING. ``max_receive_bytes``: a smaller limit on
-    request messages than MAX_MESSAGE_BYTES (the gateway's public port)."""
+def create_server(host: str, port: int, tls: ServiceTLS | None = None,
+                  max_receive_bytes: int | None = None) -> RunningServer:
+    """The one way a service gets its server: bound (with TLS when ``tls.server`` is set), with the status
+    interceptor, not yet started. ``max_receive_bytes``: a smaller limit on request messages than
+    MAX_MESSAGE_BYTES (the gateway's public port)."""
     tls = tls or ServiceTLS()
     options = SERVER_OPTIONS
     if max_receive_bytes is not None:
         options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    server = grpc.aio.server(options=options)
+    statuses = StatusInterceptor()
+    server = grpc.aio.server(options=options, interceptors=[statuses])
     bound = bind(server, host, port, tls.server)
-    for s in services:
-        s.add(s.servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = tuple(s.name for s in services)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    await server.start()
-    running = RunningServer(server, bound, health_servicer, names)
-    if tls.health_port is not None:
-        running.health_server, running.health_port = await start_health_server(health_servicer, host,
-                                                                               tls.health_port)
-    await running.set_serving(True)
+    return RunningServer(server, bound, health.aio.HealthServicer(), statuses, host, tls)
+
+
+async def start_server(services: Sequence[Service], host: str, port: int,
+                       tls: ServiceTLS | None = None, max_receive_bytes: int | None = None) -> RunningServer:
+    """``create_server`` and ``RunningServer.start``, for a service whose servicers need not know the port."""
+    running = create_server(host, port, tls, max_receive_bytes)
+    await running.start(services)
     return running
 
 

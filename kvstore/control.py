@@ -1,9 +1,9 @@
 """The kvstore's gRPC control plane: Lookup, Reserve, Commit, Release, Stats over one node's pool.
 
-Errors follow ARCHITECTURE.md: bad input is INVALID_ARGUMENT, a full store is
-RESOURCE_EXHAUSTED, an unknown lease or reservation is NOT_FOUND, an index that
-cannot be reached (Redis down) is UNAVAILABLE. Index calls may block on the
-network, so they run in a worker thread, never on the event loop.
+Errors follow ARCHITECTURE.md (``STATUSES``, which the server's status interceptor applies): bad input
+is INVALID_ARGUMENT, a full store is RESOURCE_EXHAUSTED, an unknown lease or reservation is NOT_FOUND,
+an index that cannot be reached (Redis down) is UNAVAILABLE. Index calls may block on the network, so
+they run in a worker thread, never on the event loop.
 
 Reserve and a leased Lookup hand out the data plane's tokens (``kvstore.pool``): a
 lease, and so its token, covers this node's blocks only. A node advertises its
@@ -14,9 +14,8 @@ reader of blocks on another node can take that node's lease there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +23,21 @@ import grpc
 import xxhash
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from prometheus_client import Counter
 
 from common import telemetry
+from common.status import DEFAULT_STATUSES, outcome
+from engine.kv_blocks import BlockRef, PartialRef
 from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, check_key, check_keys
 from kvstore.pool import BlockPool, CapacityError, Commit, UnknownHandleError
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
 MAX_KEYS = 65536
-RPCS = Counter("tandem_kvstore_requests", "Control-plane calls by method and final status", ["method", "code"])
+STATUSES = DEFAULT_STATUSES.extend({
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnknownHandleError: lambda exc: (grpc.StatusCode.NOT_FOUND, str(exc.args[0])),  # a KeyError's str quotes
+    IndexUnavailableError: grpc.StatusCode.UNAVAILABLE,
+})
 
 
 @dataclass(slots=True)
@@ -46,36 +50,25 @@ class Counters:
 
 
 def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Map the pool's and the index's exceptions to gRPC status codes; trace and count every call.
-
-    A call made on behalf of a traced request (a trace context in its metadata) is a
-    ``kvstore.<method>`` span in that request's trace; other calls are not traced.
+    """Trace a call made on behalf of a traced request (a trace context in its metadata) as a
+    ``kvstore.<method>`` span in that request's trace, ending with the status the call ends with;
+    other calls are not traced. (The server's interceptor turns the exceptions into that status.)
     """
     span_name = f"kvstore.{method.__name__.lower()}"
 
     @functools.wraps(method)
     async def wrapper(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         parent = telemetry.incoming(context.invocation_metadata())
-        traced = trace.get_current_span(parent).get_span_context().is_valid
-        with telemetry.span(span_name, parent, SpanKind.SERVER) if traced else contextlib.nullcontext() as span:
-            code, message = "CANCELLED", ""
-            try:
-                result = await method(self, request, context)
-                code = "OK"
-                return result
-            except CapacityError as exc:
-                code, message = "RESOURCE_EXHAUSTED", str(exc)
-            except UnknownHandleError as exc:
-                code, message = "NOT_FOUND", str(exc.args[0])
-            except IndexUnavailableError as exc:
-                code, message = "UNAVAILABLE", str(exc)
-            except ValueError as exc:
-                code, message = "INVALID_ARGUMENT", str(exc)
-            finally:
-                RPCS.labels(method.__name__, code).inc()
-                if span is not None and code != "OK":
-                    telemetry.fail(span, code, message)
-            await context.abort(grpc.StatusCode[code], message)
+        if not trace.get_current_span(parent).get_span_context().is_valid:
+            return await method(self, request, context)
+        span = telemetry.tracer().start_span(span_name, context=parent, kind=SpanKind.SERVER)
+        try:
+            return await method(self, request, context)
+        except BaseException as exc:
+            telemetry.fail(span, *outcome(exc, context, STATUSES))
+            raise
+        finally:
+            span.end()
 
     return wrapper
 
@@ -166,8 +159,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.BlockLocation(key=e.key, node_id=e.node_id, data_address=data, control_address=control,
                                 slot=e.slot, length=e.length, checksum=e.checksum)
 
-    def _partials(self, refs: Any) -> list[pb.BlockLocation]:
-        found = self.pool.find([(r.request_id, r.index) for r in refs])
+    def _partials(self, refs: Iterable[pb.PartialRef]) -> list[pb.BlockLocation]:
+        found = self.pool.find([PartialRef(r.request_id, r.index) for r in refs])
         return [
             pb.BlockLocation(node_id=self.node_id, data_address=self.data_address,
                              control_address=self.control_address, slot=slot, length=s.length, checksum=s.checksum)
@@ -216,12 +209,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.counters.bytes_in += sum(c.length for c in stored)
         return pb.CommitResponse(committed=len(stored), rejected=rejected)
 
-    def _commit_key(self, b: pb.CommitBlock) -> bytes | tuple[str, int]:
+    def _commit_key(self, b: pb.CommitBlock) -> BlockRef:
         if b.key:
             return check_key(b.key)
         if not b.partial.request_id:
             raise ValueError("a committed block needs a 32-byte key or a partial (request id, index)")
-        return (b.partial.request_id, b.partial.index)
+        return PartialRef(b.partial.request_id, b.partial.index)
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

@@ -14,24 +14,20 @@ import logging
 import os
 import socket
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client.core import GaugeMetricFamily
 
 from common.metrics import add_metrics_args, counter, gauge, register_state
 from common.service import (
-    SERVER_OPTIONS,
+    Service,
     announce,
-    bind,
-    start_health_server,
+    create_server,
     start_observability,
     stop_observability,
     stop_signal,
 )
 from common.settings import env_default
 from common.tls import ServiceTLS, add_tls_args, setup
-from kvstore.control import KVStoreService
+from kvstore.control import STATUSES, KVStoreService
 from kvstore.data_plane import DataPlaneServer
 from kvstore.index import BlockIndex, IndexUnavailableError, MemoryIndex
 from kvstore.pool import BlockPool
@@ -102,8 +98,8 @@ def make_pool(args: argparse.Namespace) -> tuple[BlockPool, SharedRegion | None]
 async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
     tls = tls or setup(args, "kvstore")
     pool, region = make_pool(args)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    port = bind(server, args.host, args.port, tls.server)
+    server = create_server(args.host, args.port, tls)  # bound first: the node is named by its port
+    port = server.port
     node_id = args.node_id or f"{socket.gethostname()}:{port}"
     data = DataPlaneServer(pool)
     data_port = data.start(args.data_port)
@@ -114,32 +110,20 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
     with contextlib.suppress(IndexUnavailableError):  # a restarted node's old entries name an empty pool
         await asyncio.to_thread(service.index.purge_node, node_id)
     data.on_bytes = lambda received, sent: setattr(service.counters, "bytes_out", service.counters.bytes_out + sent)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name, health.SERVICE_NAME,
-             reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    await server.start()
-    health_server = health_port = None
-    if tls.health_port is not None:
-        health_server, health_port = await start_health_server(health_servicer, args.host, tls.health_port)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    await server.start([Service(kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+                                kvstore_pb2_grpc.add_KVStoreServicer_to_server, service, STATUSES)])
     upkeep = asyncio.create_task(_upkeep(service, args, node_id, region))
     stop = stop_signal()
     register_state(lambda: store_state(service))
     extra = start_observability("kvstore", args.host, port, args.metrics_port)
     # The launcher and tests read this line to find the ports.
     announce("kvstore", grpc=f"{args.host}:{port}", data=f"{args.host}:{data_port}", node=node_id,
-             slots=pool.num_slots, **({"health": f"{args.host}:{health_port}"} if health_server else {}), **extra)
+             slots=pool.num_slots, **server.ready_fields(args.host), **extra)
     await stop.wait()
     upkeep.cancel()
     with contextlib.suppress(IndexUnavailableError):
         await asyncio.to_thread(service.index.purge_node, node_id)  # a clean stop leaves nothing behind
-    await server.stop(grace=1)
-    if health_server is not None:
-        await health_server.stop(0)
+    await server.stop(grace=1)  # health NOT_SERVING first, then the drain
     data.close()  # the pool's shared memory goes with the process (readers' mappings keep it until they drop them)
     stop_observability()
 

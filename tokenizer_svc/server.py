@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge, Histogram
 
 from common import telemetry
 from common.engine_args import resolve_model
@@ -33,6 +32,7 @@ from common.service import (
     stop_signal,
 )
 from common.settings import env_default
+from common.status import DEFAULT_STATUSES, internal
 from common.tls import ServiceTLS, add_tls_args, setup
 from protos import tokenizer_pb2 as pb
 from protos import tokenizer_pb2_grpc as pb_grpc
@@ -44,6 +44,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # Below these sizes a thread hop costs more than the work itself: run inline on the event loop.
 INLINE_CHARS = 4096
 INLINE_IDS = 1024
+# A caller's mistake is a TokenizerInputError (a ValueError: INVALID_ARGUMENT); anything else is a bug here.
+STATUSES = DEFAULT_STATUSES.extend({Exception: internal("tokenizer service bug; see its log")})
 
 T = TypeVar("T")
 
@@ -67,13 +69,12 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         kind = request.WhichOneof("input")
         with telemetry.server_span("tokenizer.tokenize", context.invocation_metadata(),
                                    {"tandem.input": kind or ""}) as span, METRICS.tokenize_seconds.time():
-            async with _statuses(context, "Tokenize"):
-                if kind == "text":
-                    res = await self._tokenize_text(request.text, request.add_special_tokens)
-                elif kind == "chat":
-                    res = await self._tokenize_chat(request.chat)
-                else:
-                    raise TokenizerInputError("the request has no input: set `text` or `chat`")
+            if kind == "text":
+                res = await self._tokenize_text(request.text, request.add_special_tokens)
+            elif kind == "chat":
+                res = await self._tokenize_chat(request.chat)
+            else:
+                raise TokenizerInputError("the request has no input: set `text` or `chat`")
             span.set_attribute("gen_ai.usage.input_tokens", len(res.token_ids))
             return res
 
@@ -85,9 +86,8 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         self.counters.active_detokenize_streams += 1
         METRICS.active.inc()
         try:
-            async with _statuses(context, "Detokenize"):
-                async for response in self._detokenize(request_iterator):
-                    yield response
+            async for response in self._detokenize(request_iterator):
+                yield response
         finally:  # gRPC ends the requests or cancels this handler at its await when the client goes away
             self.counters.active_detokenize_streams -= 1
             METRICS.active.dec()
@@ -155,37 +155,15 @@ class TokenizerMetrics:
     def __init__(self) -> None:
         self.tokenize_seconds = Histogram("tandem_tokenizer_tokenize_seconds", "Time to tokenize one prompt",
                                           buckets=TTFT_BUCKETS)
-        self.calls = Counter("tandem_tokenizer_requests", "Tokenizer calls by method and final status",
-                             ["method", "code"])
         self.active = Gauge("tandem_tokenizer_active_detokenize_streams", "Detokenize streams open now")
 
 
 METRICS = TokenizerMetrics()
 
 
-@contextlib.asynccontextmanager
-async def _statuses(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
-    """The one place exceptions become statuses: caller mistakes INVALID_ARGUMENT, bugs INTERNAL."""
-    code = "CANCELLED"
-    try:
-        yield
-        code = "OK"
-    except TokenizerInputError as exc:
-        code = "INVALID_ARGUMENT"
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except grpc.aio.AbortError:
-        raise
-    except Exception:
-        code = "INTERNAL"
-        log.exception("bug while serving a tokenizer call")
-        await context.abort(grpc.StatusCode.INTERNAL, "tokenizer service bug; see its log")
-    finally:
-        METRICS.calls.labels(method, code).inc()
-
-
 def build_service(tokenizer: TextTokenizer) -> Service:
     """The servicer as ``start_server`` takes it (tests start one in-process with this)."""
-    return Service(SERVICE_NAME, pb_grpc.add_TokenizerServicer_to_server, TokenizerService(tokenizer))
+    return Service(SERVICE_NAME, pb_grpc.add_TokenizerServicer_to_server, TokenizerService(tokenizer), STATUSES)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, RequestOptions, SamplingParams
 from kvstore.client import KVStoreClient, checksum
 from kvstore.connector import KVStoreConnector
 from protos import kvstore_pb2 as pb
@@ -171,7 +172,8 @@ def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
         producer.connector.flush()
         outs = {}
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            consumer.add_request(p, sp, f"r{i}", output_token_ids=[firsts[f"r{i}"]], num_external_tokens=len(p))
+            options = RequestOptions(output_token_ids=[firsts[f"r{i}"]], num_external_tokens=len(p))
+            consumer.add_request(p, sp, f"r{i}", options)
             outs[f"r{i}"] = [firsts[f"r{i}"]]
         while consumer.has_unfinished():
             for out in consumer.step():
@@ -379,3 +381,15 @@ def test_redis_down_is_unavailable_and_the_node_recovers():
             assert again == 1
         finally:
             node.kill()
+
+
+def test_a_stopping_node_reports_not_serving_before_it_goes(node):
+    async def go() -> int:
+        async with grpc.aio.insecure_channel(node.grpc) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            node.proc.send_signal(signal.SIGTERM)
+            return (await watch.read()).status
+
+    assert run(go()) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert node.proc.wait(10) == 0

@@ -17,24 +17,26 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
-from common.pb_convert import sampling_to_pb
-from engine.block_hash import prompt_block_hashes
+from engine.block_hash import chain_hashes, prompt_block_hashes, root_hash
 from gateway.detokenizer import RemoteDetokenizer
-from gateway.observe import RequestRecord
+from gateway.observe import RequestRecord, Reroutes
 from gateway.stop_strings import StopMatcher
 from gateway.validation import ValidRequest
-from gateway.workers import DECODE_STREAM_COST, WorkerClient
+from gateway.workers import DECODE_STREAM_COST, WorkerClient, WorkerPool
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import worker_pb2 as wpb
 
 MAX_ATTEMPTS = 3  # prefill workers a request tries at most (decode: ``migration_limit``)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+# block keys, the call's tracing metadata -> how many leading blocks the kvstore holds (0: it cannot say)
+StoredBlocks = Callable[[list[bytes], list[tuple[str, str]]], Awaitable[int]]
 
 
 class GenerationError(Exception):
@@ -71,17 +73,41 @@ class Clock:
         return 1000.0 * (end - (self.marks.get(since, 0.0) if since else 0.0))
 
 
+@dataclass(frozen=True, slots=True)
+class Backends:
+    """What a Generation may use of its gateway, and no more: the workers to route to, the kvstore's prefix
+    lookup, the counts of re-sent requests (changed only through their owner's methods), and fixed settings.
+    One per gateway, shared by its calls."""
+
+    pool: WorkerPool
+    stored_blocks: StoredBlocks
+    reroutes: Reroutes
+    aggregated: bool
+    migration_limit: int  # times a request may move to another decode worker
+    kvstore_address: str  # named in the handoffs of migrations ("" when aggregated)
+
+
 @dataclass(slots=True)
 class Plan:
     """What the gateway knows of a request once it is tokenized and routed."""
 
     valid: ValidRequest
     prompt: list[int]
-    keys: list[bytes]
+    keys: list[bytes]  # of the prompt's full blocks, hashed once per request (``plan_keys``)
     stored_blocks: int
     cache_salt: str
     priority: int
+    block_size: int  # the model facts ``keys`` were hashed for: a migration's keys extend them
+    fingerprint: bytes
     base_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def sampling(self) -> cpb.SamplingParams:
+        """What every attempt and migration sends, as is: validated and filled in once per request, in
+        ``gateway.validation``, so no hop converts it again."""
+        if self.valid.sampling is None:
+            raise RuntimeError("gateway.validation.check_length resolves the sampling parameters before a plan")
+        return self.valid.sampling
 
 
 class Output:
@@ -128,11 +154,11 @@ class Output:
 
 
 class Generation:
-    """The steps of one call; ``core`` is the gateway (pool, stubs, counters, limits)."""
+    """The steps of one call; ``backends`` is all it uses of the gateway."""
 
-    def __init__(self, core, plan: Plan, output: Output, context: grpc.aio.ServicerContext, clock: Clock,
-                 record: RequestRecord) -> None:
-        self.core = core
+    def __init__(self, backends: Backends, plan: Plan, output: Output, context: grpc.aio.ServicerContext,
+                 clock: Clock, record: RequestRecord) -> None:
+        self.backends = backends
         self.record = record
         self.plan = plan
         self.out = output
@@ -142,12 +168,13 @@ class Generation:
         self.prefill_worker = ""
         self.decode_worker = ""
         self.partial_ids: list[str] = []  # attempt ids whose partial blocks may sit in the store
+        self.chain = list(plan.keys)  # keys of prompt + outputs, each block hashed once however often it moves
 
     def timeout(self) -> float | None:
         return self.context.time_remaining()
 
     async def run(self) -> AsyncIterator[gpb.GenerateResponse]:
-        if self.core.aggregated:
+        if self.backends.aggregated:
             stream = self._decode(self.plan.base_id, [], None)
         else:
             stream = self._disaggregated()
@@ -179,7 +206,7 @@ class Generation:
 
     async def _prefill(self) -> tuple[WorkerClient, object, wpb.PrefillResponse, str]:
         """The first token from a prefill worker, retrying on another one if it dies or is full."""
-        pool, plan, tried, last = self.core.pool, self.plan, [], None
+        pool, plan, tried, last = self.backends.pool, self.plan, [], None
         for attempt in range(MAX_ATTEMPTS):
             picked = pool.pick(pool.prefill, plan.keys, plan.stored_blocks, len(plan.prompt), 0, tried)
             if picked is None:
@@ -191,8 +218,7 @@ class Generation:
             if attempt == 0:
                 self._routed(worker, new_tokens)
             else:
-                self.core.prefill_retries += 1
-                self.core.metrics.prefill_retries.inc()
+                self.backends.reroutes.prefill_retried()
                 self.record.root.add_event("prefill retried", {"common.worker": worker.address,
                                                                "reason": last.details() if last else ""})
             call = worker.track(worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
@@ -227,10 +253,10 @@ class Generation:
         return wpb.PrefillRequest(
             request_id=rid,
             prompt_token_ids=p.prompt,
-            sampling=sampling_to_pb(p.valid.params),
+            sampling=p.sampling,
             cache_salt=p.cache_salt,
             priority=p.priority,
-            num_stored_tokens=p.stored_blocks * self.core.block_size,
+            num_stored_tokens=p.stored_blocks * p.block_size,
         )
 
     async def _handoff(self, call) -> cpb.KVHandoff | None:
@@ -252,7 +278,7 @@ class Generation:
         """Stream from a decode worker. When it dies or hands the request back (draining), the request
         moves to another one with every token streamed so far, up to the migration limit: the client
         sees no token lost or repeated, and seeded sampling goes on as if nothing happened."""
-        pool, plan, outputs = self.core.pool, self.plan, list(outputs)
+        pool, plan, outputs = self.backends.pool, self.plan, list(outputs)
         failed: list[WorkerClient] = []
         last: grpc.aio.AioRpcError | None = None
         migrations = 0
@@ -299,30 +325,38 @@ class Generation:
                 call.cancel()
             failed.append(worker)
             migrations += 1
-            if migrations > self.core.migration_limit:
+            if migrations > self.backends.migration_limit:
                 raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{reason}, after {self.out.num_tokens} tokens; "
                                       f"the request was moved {migrations - 1} times, the limit is "
-                                      f"{self.core.migration_limit}")
+                                      f"{self.backends.migration_limit}")
             self._migrating(worker, reason, len(outputs))
-            handoff = None if self.core.aggregated else await self._resume_handoff(outputs)
+            handoff = None if self.backends.aggregated else await self._resume_handoff(outputs)
 
     async def _resume_handoff(self, outputs: list[int]) -> cpb.KVHandoff:
         """What the next decode worker can pull: the stored prefix of prompt + outputs (the prompt's
         blocks, and generated blocks if decode workers push them), and the prompt's partial tail
         block, which the store keeps until the request ends."""
-        plan, bs = self.plan, self.core.block_size
+        plan, bs = self.plan, self.plan.block_size
         tokens = plan.prompt + outputs
-        keys = plan_keys(self.core.fingerprint, tokens, bs, plan.cache_salt)[: (len(tokens) - 1) // bs]
-        stored = await self.core.stored_blocks(keys, self.record.metadata())
+        keys = self._keys(tokens, (len(tokens) - 1) // bs)
+        stored = await self.backends.stored_blocks(keys, self.record.metadata())
         n, partial = stored * bs, False
         if stored == len(plan.prompt) // bs and len(plan.prompt) % bs:
             n, partial = len(plan.prompt), True
-        return cpb.KVHandoff(kvstore_address=self.core.kvstore_address, num_tokens=n, block_keys=keys[:stored],
-                             has_partial=partial)
+        return cpb.KVHandoff(kvstore_address=self.backends.kvstore_address, num_tokens=n,
+                             block_keys=keys[:stored], has_partial=partial)
+
+    def _keys(self, tokens: list[int], blocks: int) -> list[bytes]:
+        """The first ``blocks`` keys of ``tokens`` (the prompt, then the outputs so far, which only grow): the
+        chain goes on from the plan's prompt keys, and only blocks no earlier migration hashed are hashed."""
+        chain, bs = self.chain, self.plan.block_size
+        if len(chain) < blocks:
+            parent = chain[-1] if chain else root_hash(self.plan.fingerprint, self.plan.cache_salt or None)
+            chain.extend(chain_hashes(parent, tokens[: blocks * bs], bs, len(chain)))
+        return chain[:blocks]
 
     def _migrating(self, worker: WorkerClient, reason: str, num_tokens: int) -> None:
-        self.core.migrations += 1
-        self.core.metrics.migrations.inc()
+        self.backends.reroutes.migrated()
         self.record.root.add_event("migration", {"tandem.from_worker": worker.address, "reason": reason,
                                                  "tandem.tokens_so_far": num_tokens})
 
@@ -342,7 +376,7 @@ class Generation:
         req = wpb.DecodeRequest(
             request_id=rid,
             prompt_token_ids=p.prompt,
-            sampling=sampling_to_pb(p.valid.params),
+            sampling=p.sampling,
             cache_salt=p.cache_salt,
             priority=p.priority,
             output_token_ids=outputs,

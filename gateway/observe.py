@@ -23,6 +23,32 @@ from protos import gateway_pb2 as gpb
 TTFT_PARTS = ("tokenize_ms", "route_ms", "prefill_queue_ms", "prefill_compute_ms", "first_token_ms")
 
 
+class Reroutes:
+    """The gateway's counts of requests sent on to another worker (its Stats and its metrics), kept in step:
+    the generations that re-send a request count through these methods, and nothing else writes them."""
+
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self._metrics = metrics
+        self._prefill_retries = 0
+        self._migrations = 0
+
+    @property
+    def prefill_retries(self) -> int:
+        return self._prefill_retries
+
+    @property
+    def migrations(self) -> int:
+        return self._migrations
+
+    def prefill_retried(self) -> None:
+        self._prefill_retries += 1
+        self._metrics.prefill_retries.inc()
+
+    def migrated(self) -> None:
+        self._migrations += 1
+        self._metrics.migrations.inc()
+
+
 class RequestRecord:
     def __init__(self, metrics: RequestMetrics, metadata: Sequence[tuple[str, Any]] | None, inflight: int) -> None:
         self.metrics = metrics
@@ -66,8 +92,8 @@ class RequestRecord:
         self.metrics.generation_tokens.inc(n)
 
     def finish(self, code: str, message: str, last: gpb.GenerateResponse | None) -> None:
+        # The call's outcome is counted by the server's status interceptor (tandem_requests is a view of it).
         self.end_route()
-        self.metrics.outcomes.labels(code).inc()
         self.root.set_attribute("gen_ai.usage.output_tokens", self.tokens_sent)
         if last is not None and last.HasField("usage"):
             self._finished(last)

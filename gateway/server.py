@@ -27,16 +27,16 @@ from common.service import (
     setup_logging,
     start_observability,
     start_server,
-    status_name,
     stop_observability,
     stop_signal,
 )
 from common.settings import env_default
+from common.status import outcome
 from common.tls import ServiceTLS, add_tls_args, setup
 from gateway.auth import ApiKey, AuthError, KeyRing, KeysFileError, Lease
 from gateway.detokenizer import RemoteDetokenizer
-from gateway.generation import Clock, Generation, GenerationError, Output, Plan, plan_keys
-from gateway.observe import RequestRecord
+from gateway.generation import Backends, Clock, Generation, GenerationError, Output, Plan, plan_keys
+from gateway.observe import RequestRecord, Reroutes
 from gateway.stop_strings import StopMatcher
 from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_length, validate
 from gateway.workers import Resolver, WorkerPool, parse_dns, resolve_dns
@@ -66,12 +66,11 @@ class Gateway(gpb_grpc.GatewayServicer):
         self.max_inflight = args.max_inflight
         self.inflight = 0
         self.requests_total = 0
-        self.prefill_retries = 0
-        self.migrations = 0
         self.draining = False
-        self.migration_limit = args.migration_limit
-        self.kvstore_address = args.kvstore or ""
         self.metrics = metrics or RequestMetrics()
+        self.reroutes = Reroutes(self.metrics)
+        self.backends = Backends(self.pool, self.stored_blocks, self.reroutes, self.aggregated, args.migration_limit,
+                                 args.kvstore or "")
         self.metrics.running.set_function(lambda: self.inflight)  # read at scrape time, as other state
         # API keys (gateway.auth): None, no authentication.
         self.keys = KeyRing.load(args.api_keys_file) if args.api_keys_file else None
@@ -147,14 +146,8 @@ class Gateway(gpb_grpc.GatewayServicer):
                     last = msg
                     yield msg
             code = "OK"
-        except InvalidRequest as exc:
-            code, message = "INVALID_ARGUMENT", str(exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        except GenerationError as exc:
-            code, message = exc.code.name, exc.message
-            await context.abort(exc.code, exc.message)
-        except asyncio.CancelledError:
-            code = status_name(context)
+        except BaseException as exc:  # the server's status interceptor ends the call with this status
+            code, message = outcome(exc, context)
             raise
         finally:
             self.inflight -= 1
@@ -187,11 +180,9 @@ class Gateway(gpb_grpc.GatewayServicer):
             self.metrics.api_key_requests.labels(tenant.name, code).inc()
 
     async def _check_call(self, request: object, context: grpc.aio.ServicerContext) -> None:
-        """The checks of the unary RPCs: an API key (when on), a message that parsed."""
-        try:
-            self._authenticate(context)
-        except AuthError as exc:
-            await context.abort(exc.code, exc.message)
+        """The checks of the unary RPCs: an API key (when on; an AuthError carries its status), a message
+        that parsed."""
+        self._authenticate(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
 
@@ -217,9 +208,10 @@ class Gateway(gpb_grpc.GatewayServicer):
             clock.mark("tokenized")
             check_length(valid, len(prompt), limits)
             salt = tenant.salt(request.cache_salt) if tenant is not None else request.cache_salt
-            keys = plan_keys(self.fingerprint, prompt, self.block_size, salt)
+            fingerprint, block_size = self.fingerprint, self.block_size
+            keys = plan_keys(fingerprint, prompt, block_size, salt)
             stored = await self.stored_blocks(keys, record.start_route())
-            plan = Plan(valid, prompt, keys, stored, salt, request.priority)
+            plan = Plan(valid, prompt, keys, stored, salt, request.priority, block_size, fingerprint)
             async for msg in self._run(plan, request, context, clock, record):
                 yield msg
         finally:
@@ -230,7 +222,7 @@ class Gateway(gpb_grpc.GatewayServicer):
         detok = RemoteDetokenizer(self.tokenizer, request.keep_special_tokens, context.time_remaining())
         stop = StopMatcher(plan.valid.stop, request.include_stop_str_in_output)
         output = Output(plan.valid.request_id, detok, stop, len(plan.prompt), plan.valid.params.stop_token_ids)
-        gen = Generation(self, plan, output, context, clock, record)
+        gen = Generation(self.backends, plan, output, context, clock, record)
         try:
             async with contextlib.aclosing(gen.run()) as stream:
                 async for msg in stream:
@@ -264,8 +256,8 @@ class Gateway(gpb_grpc.GatewayServicer):
             finished_by_code=dict(self.finished_by_code),
             workers=[gpb.WorkerState(address=w.address, role=w.info.role if w.info else w.kind, healthy=w.healthy,
                                      inflight=w.inflight) for w in self.pool.all],
-            prefill_retries=self.prefill_retries,
-            migrations=self.migrations,
+            prefill_retries=self.reroutes.prefill_retries,
+            migrations=self.reroutes.migrations,
             pending_partial_drops=len(self._drops),
         )
 

@@ -13,7 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from common.pb_convert import sampling_from_pb
+from common.pb_convert import sampling_from_pb, sampling_to_pb
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
@@ -60,6 +60,9 @@ class ValidRequest:
     max_tokens_set: bool
     stop: list[str] = field(default_factory=list)
     token_ids: list[int] | None = None  # given as ids: no tokenizer hop
+    # ``params`` as every worker gets it, every field set (a worker never falls back to a default the gateway
+    # did not check): made once per request, by ``check_length``, and sent as is on every attempt and migration
+    sampling: cpb.SamplingParams | None = None
 
 
 def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
@@ -87,7 +90,8 @@ def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
 
 
 def check_length(valid: ValidRequest, prompt_len: int, limits: ModelLimits) -> None:
-    """Resolve an unset max_tokens to the rest of the model length; refuse prompts that cannot fit."""
+    """Resolve an unset max_tokens to the rest of the model length; refuse prompts that cannot fit. The
+    parameters are complete only now, so this is where their wire form (``valid.sampling``) is made."""
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty after tokenization")
     if prompt_len > limits.prompt_token_limit:
@@ -103,6 +107,7 @@ def check_length(valid: ValidRequest, prompt_len: int, limits: ModelLimits) -> N
             f"prompt ({prompt_len} tokens) + max_tokens ({valid.params.max_tokens}) exceeds the model length "
             f"{min(limits.max_model_len, limits.max_request_tokens)}"
         )
+    valid.sampling = sampling_to_pb(valid.params)
 
 
 def _request_id(given: str) -> str:

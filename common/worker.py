@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import struct
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
 from common import telemetry
 from common.engine_args import add_engine_args, engine_config
@@ -34,8 +35,10 @@ from common.service import (
     stop_signal,
 )
 from common.settings import env_default
+from common.status import DEFAULT_STATUSES, handled_view, internal
 from common.tls import ServiceTLS, add_tls_args, setup
-from engine.request import RequestHandedBack, RequestOutput
+from engine.block_hash import prompt_block_hashes
+from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -45,18 +48,27 @@ if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays f
     from engine import EngineConfig
     from engine.async_engine import AsyncEngine
     from engine.engine import Engine
+    from engine.kv_transfer import KVConnector, KVConnectorWorkerSide
 
 log = logging.getLogger("common.worker")
+ConnectorT = TypeVar("ConnectorT", bound="KVConnector")  # the service's connector class: both sides of the seam
 
 
 class WorkerMetrics:
     def __init__(self) -> None:
         self.queue = Histogram("tandem_request_queue_time_seconds", "Time requests waited in this engine's queue",
                                buckets=TTFT_BUCKETS)
-        self.outcomes = Counter("tandem_worker_requests", "Prefill / Decode calls by final status", ["code"])
+        self.outcomes = handled_view("tandem_worker_requests", "Prefill / Decode calls by final status",
+                                     SERVICE_NAME, ("Prefill", "Decode"))
 
 
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 METRICS = WorkerMetrics()
+STATUSES = DEFAULT_STATUSES.extend({
+    RuntimeError: internal(),  # the engine step failed: a bug, not the caller's fault (its message says which)
+    # Decode catches it to answer FINISH_REASON_MIGRATE; escaping anywhere else, the gateway should retry.
+    RequestHandedBack: lambda exc: (grpc.StatusCode.UNAVAILABLE, f"this worker handed request {exc} back"),
+})
 
 
 class WorkerServicer(wpb_grpc.WorkerServicer):
@@ -64,10 +76,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
 
     role = "worker"
 
-    def __init__(self, engine: AsyncEngine, connector: Any, kvstore_address: str, max_waiting: int) -> None:
+    def __init__(self, engine: AsyncEngine, connector: KVConnectorWorkerSide | None, kvstore_address: str,
+                 max_waiting: int) -> None:
         self.engine = engine
         self.core: Engine = engine.engine
-        self.connector = connector  # a KVStoreConnector, or None in aggregated mode
+        self.connector = connector  # None in aggregated mode
         self.kvstore_address = kvstore_address
         self.max_waiting = max_waiting
         self.active_rpcs = 0
@@ -94,18 +107,17 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
     async def Stats(
         self, request: wpb.WorkerStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStatsResponse:
-        # Read from the event loop while the engine thread steps: each figure is one attribute read
-        # (atomic under the GIL), so a snapshot may mix two steps but never breaks the engine.
-        s, stats = self.core.scheduler, self.core.stats
-        total = self.core.num_total_blocks
+        # The queues come from the engine thread's published snapshot; the counters are plain integers
+        # (one atomic read each), so a reply may mix two steps but never reads a queue mid-change.
+        load, stats = self.engine.load, self.core.stats
         return wpb.WorkerStatsResponse(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_loading=len(s.loading),
-            num_requests=s.num_unfinished,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_loading=load.num_loading,
+            num_requests=load.num_unfinished,
             active_rpcs=self.active_rpcs,
-            used_kv_blocks=total - self.core.num_free_blocks,
-            total_kv_blocks=total,
+            used_kv_blocks=load.used_blocks,
+            total_kv_blocks=load.total_blocks,
             pending_kv_pushes=self.connector.num_pending_saves if self.connector else 0,
             pending_kv_pulls=self.connector.num_pending_loads if self.connector else 0,
             requests_total=self.requests_total,
@@ -116,7 +128,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             kv_load_failures=stats.kv_load_failures,
             prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
             num_preemptions=stats.num_preemptions,
-            queued_prompt_tokens=_queued_prompt_tokens(self.core),
+            queued_prompt_tokens=load.queued_prompt_tokens,
         )
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -152,7 +164,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         """Refuse at the door when draining or when the queue is full: the gateway tries another worker."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"this {self.role} worker is draining")
-        if len(self.core.scheduler.waiting) >= self.max_waiting:
+        if self.engine.load.num_waiting >= self.max_waiting:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.role} worker queue is full ({self.max_waiting} waiting)"
             )
@@ -165,11 +177,26 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    async def _block_keys(
+        self, token_ids: list[int], salt: str | None, context: grpc.aio.ServicerContext
+    ) -> list[bytes]:
+        """The keys of the full blocks of ``token_ids``, hashed once per request in this process: the engine
+        gets them through ``RequestOptions.block_hashes`` instead of hashing again.
+
+        They are hashed before the engine has checked the tokens, so an id beyond int32 is refused here.
+        """
+        try:
+            return prompt_block_hashes(self.core.fingerprint, token_ids, self.core.config.block_size, salt)
+        except struct.error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token ids must be integers in [0, {self.core.model_config.vocab_size})")
+
     async def _outputs(
         self, context: grpc.aio.ServicerContext, ctx: Any, prompt: list[int], params: SamplingParams,
-        request_id: str, priority: int, **extra: Any,
+        request_id: str, options: RequestOptions,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one call, counted in Stats and metrics; bad input is INVALID_ARGUMENT.
+        """The engine's outputs for one call, counted in Stats and metrics; what the engine raises is the
+        call's status (``STATUSES``: bad input INVALID_ARGUMENT, an engine failure INTERNAL).
 
         ``ctx`` is the request's trace context: its KV transfers are traced under it.
         """
@@ -178,42 +205,29 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         self.active.add(request_id)
         if self.connector is not None:
             self.connector.trace(request_id, ctx)
-        code = "CANCELLED"
         try:
-            stream = self.engine.generate(prompt, params, request_id, priority, **extra)
+            stream = self.engine.generate(prompt, params, request_id, options)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     if out.times is not None:
                         METRICS.queue.observe(out.times.queue)
                     yield out
-            code = "OK"
-        except (ValueError, TypeError) as exc:
-            code = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RuntimeError as exc:  # the engine step failed: a bug, not the caller's fault
-            code = "INTERNAL"
-            log.exception("request %s failed in the engine", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        except RequestHandedBack:
-            code = "HANDED_BACK"
-            raise
         finally:
             self.active_rpcs -= 1
             self.active.discard(request_id)
-            METRICS.outcomes.labels(code).inc()
             if self.connector is not None:
                 self.connector.trace(request_id, None)
 
     def engine_state(self) -> list[Any]:
         """What /metrics reads of the engine at scrape time."""
-        s, stats, total = self.core.scheduler, self.core.stats, self.core.num_total_blocks
+        load, stats = self.engine.load, self.core.stats
         pc = stats.prefix_cache
         return [
-            gauge("tandem_num_requests_running", "Requests in the engine's running batch", len(s.running)),
-            gauge("tandem_num_requests_waiting", "Requests waiting for the engine", len(s.waiting)),
-            gauge("tandem_num_requests_loading_kv", "Requests waiting for KV from the kvstore", len(s.loading)),
+            gauge("tandem_num_requests_running", "Requests in the engine's running batch", load.num_running),
+            gauge("tandem_num_requests_waiting", "Requests waiting for the engine", load.num_waiting),
+            gauge("tandem_num_requests_loading_kv", "Requests waiting for KV from the kvstore", load.num_loading),
             gauge("tandem_kv_cache_usage_perc", "Fraction of KV blocks held by requests",
-                  (total - self.core.num_free_blocks) / total if total else 0.0),
+                  load.used_blocks / load.total_blocks if load.total_blocks else 0.0),
             counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", pc.query_tokens),
             counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache", pc.hit_tokens),
             counter("tandem_engine_prompt_tokens_computed", "Prompt tokens run through the model",
@@ -236,19 +250,6 @@ def trace_prefill(ctx: Any, out: RequestOutput, prompt_len: int) -> None:
         "tandem.computed_tokens": prompt_len - out.num_cached_tokens,
         "tandem.kv_load_ms": t.kv_load * 1000,
     })
-
-
-def _queued_prompt_tokens(engine: Engine) -> int:
-    """Prompt tokens the engine still has to compute: the load a gateway balances on."""
-    s = engine.scheduler
-    for _ in range(3):  # the engine thread may change a queue while we walk it: read again
-        try:
-            waiting = sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting))
-            running = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(s.running))
-            return waiting + running
-        except RuntimeError:
-            continue
-    return 0
 
 
 def ms(seconds: float) -> float:
@@ -277,10 +278,14 @@ def add_worker_args(p: argparse.ArgumentParser, kvstore_required: bool) -> None:
 
 
 def build_engine(
-    args: argparse.Namespace, role: str, make_connector: Callable[[str, EngineConfig], Any] | None = None
-) -> tuple[AsyncEngine, Any]:
+    args: argparse.Namespace, role: str, make_connector: Callable[[str, EngineConfig], ConnectorT] | None = None
+) -> tuple[AsyncEngine, ConnectorT | None]:
     """The engine in ``role``, with ``make_connector(kvstore_address, config)``'s connector when
-    ``--kvstore`` is given (the service passes the kvstore's: this floor never imports a service)."""
+    ``--kvstore`` is given (the service passes the kvstore's: this floor never imports a service).
+
+    The connector comes back as the service's own class, not as one side of the seam: the engine
+    drives it as a ``KVConnector``, the servicer as a ``KVConnectorWorkerSide``, and a type checker
+    checks both where the service passes it on."""
     from engine.async_engine import AsyncEngine
     from engine.engine import Engine
 
@@ -293,8 +298,7 @@ def build_engine(
 
 async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
     server = await start_server(
-        [Service(wpb.DESCRIPTOR.services_by_name["Worker"].full_name, wpb_grpc.add_WorkerServicer_to_server,
-                 servicer)],
+        [Service(SERVICE_NAME, wpb_grpc.add_WorkerServicer_to_server, servicer, STATUSES)],
         args.host,
         args.port,
         tls,

@@ -16,9 +16,8 @@ import grpc
 
 from common import telemetry, worker
 from common.pb_convert import finish_reason, token_output
-from common.service import status_name
-from engine.block_hash import prompt_block_hashes
-from engine.request import RequestHandedBack, RequestOutput
+from common.status import outcome
+from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from kvstore.connector import KVStoreConnector
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -35,15 +34,15 @@ class DecodeServicer(worker.WorkerServicer):
         await self._admit(context)
         prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
         params = await self._params(request.sampling, len(prompt), context)
-        salt = request.cache_salt or None
-        extra = {"cache_salt": salt, "output_token_ids": outputs}
+        external, keys = 0, None
         if request.HasField("handoff"):
-            extra["num_external_tokens"] = await self._external_tokens(request, prompt, outputs, salt, context)
+            external, keys = await self._check_handoff(request, prompt + outputs, context)
+        options = RequestOptions(priority=request.priority, cache_salt=request.cache_salt, output_token_ids=outputs,
+                                 num_external_tokens=external, block_hashes=keys)
         ctx = telemetry.incoming(context.invocation_metadata())
         stream = StreamTrace(ctx, len(prompt), prefills=not request.HasField("handoff") and not outputs)
         try:
-            async for out in self._outputs(context, ctx, prompt, params, request.request_id, request.priority,
-                                           **extra):
+            async for out in self._outputs(context, ctx, prompt, params, request.request_id, options):
                 first = stream.step(out)
                 yield _message(out, first)
             stream.finish("OK")
@@ -52,30 +51,36 @@ class DecodeServicer(worker.WorkerServicer):
             if self.connector is not None:  # the blocks it pushed are in the store for the next worker
                 await self.connector.wait_saved(request.request_id)
             yield wpb.DecodeResponse(finish_reason=cpb.FINISH_REASON_MIGRATE)
-        finally:
-            stream.finish(status_name(context))
+        except BaseException as exc:  # the status the server's interceptor ends the call with
+            stream.finish(outcome(exc, context, worker.STATUSES)[0])
+            raise
 
-    async def _external_tokens(self, request: wpb.DecodeRequest, prompt: list[int], outputs: list[int],
-                               salt: str | None, context: grpc.aio.ServicerContext) -> int:
-        """How many leading tokens of prompt + outputs to pull: what the handoff names, unless its
-        blocks are not ours (then everything is recomputed here)."""
+    async def _check_handoff(self, request: wpb.DecodeRequest, tokens: list[int],
+                             context: grpc.aio.ServicerContext) -> tuple[int, list[bytes]]:
+        """How many leading tokens of ``tokens`` (prompt + outputs) to pull: what the handoff names, unless
+        its blocks are not ours (then everything is recomputed here); and this worker's own keys of the
+        full blocks among them, which the engine takes instead of hashing those tokens again.
+
+        Only the handoff's range is hashed: a trailing partial block it names is pulled by request, not
+        by key, so the engine must not be given a key for it (``Engine.add_request`` refuses one).
+        """
         if self.connector is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this aggregated worker has no kvstore: send the request without a handoff")
-        n, total, bs = request.handoff.num_tokens, len(prompt) + len(outputs), self.core.config.block_size
+        n, total, bs = request.handoff.num_tokens, len(tokens), self.core.config.block_size
         if not 0 <= n < total:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the handoff covers {n} tokens; the request "
                                 f"has {total}, and at least the last one is computed here")
-        if n % bs and n != len(prompt):
+        if n % bs and n != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a handoff covers whole blocks of {bs} tokens, or the whole prompt; got {n}")
-        mine = prompt_block_hashes(self.core.fingerprint, (prompt + outputs)[:n], bs, salt)
+        mine = await self._block_keys(tokens[:n], request.cache_salt, context)
         if list(request.handoff.block_keys) != mine:
             # Another model, dtype or block size produced them: pulling would load foreign bytes.
             log.warning("request %s: the handed-off block keys are not this worker's; recomputing",
                         request.request_id)
-            return 0
-        return n
+            return 0, mine
+        return n, mine
 
 
 class StreamTrace:

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Engine": "engine.engine",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
+    "RequestOptions": "engine.request",
     "RequestOutput": "engine.request",
     "SamplingParams": "engine.sampling_params",
     "TokenLogprobs": "engine.request",
@@ -23,6 +24,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "ModelConfig",
+    "RequestOptions",
     "RequestOutput",
     "SamplingParams",
     "TokenLogprobs",
@@ -32,7 +34,7 @@ __all__ = [
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
     from engine.engine import Engine
-    from engine.request import RequestOutput, TokenLogprobs
+    from engine.request import RequestOptions, RequestOutput, TokenLogprobs
     from engine.sampling_params import SamplingParams
 
 

@@ -9,11 +9,11 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.engine import Engine
-from engine.request import RequestHandedBack, RequestOutput
+from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineLoad
 
 LOAD_POLL_S = 0.001
 
@@ -23,10 +23,9 @@ class _Add:
     prompt: list[int]
     params: SamplingParams
     request_id: str
-    priority: int
+    options: RequestOptions | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    extra: dict[str, Any] = field(default_factory=dict)  # cache_salt, output_token_ids, num_external_tokens
 
 
 @dataclass(slots=True)
@@ -41,20 +40,19 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        # Replaced whole by the engine thread after every change, read by anyone: never half-updated.
+        self.load: EngineLoad = engine.load_snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0, **extra: Any
+        self, prompt: list[int], params: SamplingParams, request_id: str, options: RequestOptions | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; a ValueError from validation is raised here; cancelling aborts.
-
-        ``extra`` goes to ``Engine.add_request`` (``cache_salt``, ``output_token_ids``,
-        ``num_external_tokens``).
-        """
+        """Stream outputs; a ValueError from validation (``Engine.add_request``) is raised here; cancelling
+        aborts."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(prompt, params, request_id, priority, sink, loop, extra))
+        self._inbox.put(_Add(prompt, params, request_id, options, sink, loop))
         finished = False
         try:
             while True:
@@ -89,11 +87,13 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
+            self.load = self.engine.load_snapshot()  # after the last step, before waiting for more
             block = not self.engine.has_unfinished()
             # Requests waiting only for KV loads: poll the loads without spinning the CPU.
             timeout = LOAD_POLL_S if self.engine.only_loading() else None
             if not self._drain_inbox(block or timeout is not None, timeout):
                 return
+            self.load = self.engine.load_snapshot()
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -134,7 +134,7 @@ class AsyncEngine:
             item.done.set_result(None)
             return
         try:
-            self.engine.add_request(item.prompt, item.params, item.request_id, item.priority, **item.extra)
+            self.engine.add_request(item.prompt, item.params, item.request_id, item.options)
         except (ValueError, TypeError) as exc:
             _send(item.sink, item.loop, exc)
             return

@@ -14,17 +14,17 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.block_hash import model_fingerprint
+from engine.block_hash import HASH_BYTES, model_fingerprint
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.kv_transfer import KVConnector, LoadResult
+from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.loader import weights_id
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus, RequestTimes, TokenLogprobs
+from engine.request import Request, RequestOptions, RequestOutput, RequestStatus, RequestTimes, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, ScheduledRequest, Scheduler
-from engine.stats import EngineStats
+from engine.stats import EngineLoad, EngineStats
 
 
 class Engine:
@@ -75,6 +75,14 @@ class Engine:
     def num_total_blocks(self) -> int:
         return self.runner.num_blocks
 
+    def load_snapshot(self) -> EngineLoad:
+        """The engine's load now; call it on the thread that steps the engine."""
+        s, total = self.scheduler, self.num_total_blocks
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running)
+        return EngineLoad(len(s.running), len(s.waiting), len(s.loading), s.num_unfinished,
+                          total - self.num_free_blocks, total, queued)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -88,33 +96,27 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        output_token_ids: list[int] | None = None,
-        num_external_tokens: int = 0,
+        options: RequestOptions | None = None,
     ) -> str:
         """Validate and queue; raises ValueError with the reason on bad input.
 
-        ``output_token_ids``: tokens already generated elsewhere (e.g. the first
-        token a producer sampled); they are not streamed again.
-        ``num_external_tokens``: how many leading tokens of prompt + those outputs
-        have their KV loaded through the connector instead of computed here.
+        ``params`` arrive already valid (``SamplingParams`` checks itself); what is checked here depends
+        on this engine: its vocabulary, model length, cache size and connector. ``options`` carries a
+        handoff's tokens and keys (``RequestOptions``).
         """
         params = params or SamplingParams()
-        outputs = list(output_token_ids or [])
+        options = options or RequestOptions()
         self._validate(prompt_token_ids, params)
-        self._validate_handoff(prompt_token_ids, outputs, params, num_external_tokens)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+        self._validate_options(prompt_token_ids, params, options)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        request = Request(request_id, list(prompt_token_ids), params, eos, priority, cache_salt)
-        request.output_token_ids = outputs
-        request.num_external_tokens = num_external_tokens
+        request = Request(request_id, list(prompt_token_ids), params, eos, options.priority, options.cache_salt)
+        request.output_token_ids = list(options.output_token_ids)
+        if options.block_hashes:
+            request.block_hashes = list(options.block_hashes)  # the caller hashed them: update_hashes extends
+        request.num_external_tokens = options.num_external_tokens
         # What it loads came from the store: pushing it back would be wasted.
-        request.num_saved_blocks = num_external_tokens // self.config.block_size
+        request.num_saved_blocks = options.num_external_tokens // self.config.block_size
         self.scheduler.add(request)
         return request_id
 
@@ -138,21 +140,40 @@ class Engine:
                 f"({self.runner.num_blocks} blocks of {self.config.block_size})"
             )
 
-    def _validate_handoff(
-        self, prompt: list[int], outputs: list[int], params: SamplingParams, num_external: int
-    ) -> None:
+    def _validate_options(self, prompt: list[int], params: SamplingParams, options: RequestOptions) -> None:
+        if not isinstance(options, RequestOptions):
+            raise TypeError("options must be a RequestOptions")
+        if options.cache_salt is not None and not isinstance(options.cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        if not isinstance(options.priority, int) or isinstance(options.priority, bool):
+            raise ValueError(f"priority must be an integer (lower is served first), got {options.priority!r}")
+        outputs, num_external = options.output_token_ids, options.num_external_tokens
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in outputs):
             raise ValueError(f"output token ids must be integers in [0, {vocab})")
         if len(outputs) >= params.max_tokens:
             raise ValueError(f"{len(outputs)} tokens already generated: nothing left within max_tokens")
-        if not isinstance(num_external, int) or not 0 <= num_external < len(prompt) + len(outputs):
+        total = len(prompt) + len(outputs)
+        if not isinstance(num_external, int) or not 0 <= num_external < total:
             raise ValueError(
                 "num_external_tokens must be in [0, prompt + generated tokens - 1]: at least the last "
                 f"token is computed here, got {num_external}"
             )
         if num_external and self.connector is None:
             raise ValueError("num_external_tokens needs a KV connector, and this engine has none")
+        keys, bs = options.block_hashes, self.config.block_size
+        if keys is None:
+            return
+        if len(keys) > total // bs:
+            raise ValueError(f"{len(keys)} block hashes for {total} tokens: at most one per full block ({total // bs})")
+        if num_external % bs and len(keys) > num_external // bs:
+            # The connector finds a block by key when the request has one for it (kv_transfer.block_ref).
+            raise ValueError(
+                f"block {num_external // bs} is loaded as a partial block, by request: give at most "
+                f"num_external_tokens // block_size = {num_external // bs} block hashes"
+            )
+        if any(not isinstance(k, bytes) or len(k) != HASH_BYTES for k in keys):
+            raise ValueError(f"block hashes must be {HASH_BYTES}-byte keys (engine.block_hash)")
 
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds, wherever it is; False if it is unknown or finished."""
@@ -284,19 +305,20 @@ class Engine:
         if end <= r.num_saved_blocks:
             return
         self.kv.update_hashes(r, computed)
-        keys = [r.block_hashes[i] if i < len(r.block_hashes) else None for i in range(r.num_saved_blocks, end)]
-        self._save_blocks(r, end, keys)
+        self._save_blocks(r, end)
 
     def _save_full_blocks(self, r: Request) -> None:
         """Consumer: hand the connector the blocks of prompt + generated tokens that became full."""
         end = r.num_computed_tokens // self.config.block_size
         self.kv.update_hashes(r, end * self.config.block_size)
-        self._save_blocks(r, end, r.block_hashes[r.num_saved_blocks : end])
+        self._save_blocks(r, end)
 
-    def _save_blocks(self, r: Request, end: int, keys: list[bytes | None]) -> None:
-        """Push blocks ``num_saved_blocks .. end`` of ``r`` under ``keys`` (None: a partial block)."""
+    def _save_blocks(self, r: Request, end: int) -> None:
+        """Push blocks ``num_saved_blocks .. end`` of ``r``: a full one under its key (``update_hashes``
+        computed it), the partial tail under its request."""
+        refs = [block_ref(r, i) for i in range(r.num_saved_blocks, end)]
         data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
-        self.connector.save_blocks(r, r.num_saved_blocks, keys, data)
+        self.connector.save_blocks(r, r.num_saved_blocks, refs, data)
         self.stats.kv_blocks_saved += end - r.num_saved_blocks
         r.num_saved_blocks = end
 
@@ -307,12 +329,20 @@ class Engine:
             self.connector.request_finished(r)
 
     def generate(
-        self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: Iterable[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        options: RequestOptions | list[RequestOptions] | None = None,
     ) -> list[list[int]]:
-        """Batch helper: run prompts to completion, outputs in the order of ``prompts``."""
+        """Batch helper: run prompts to completion, outputs in the order of ``prompts``.
+
+        ``params`` and ``options`` are one for all prompts or a list with one per prompt (per-prompt
+        options are what carry outputs, external tokens or block hashes: those are about one prompt).
+        """
         prompts = list(prompts)
         per = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        opts = options if isinstance(options, list) else [options] * len(prompts)
+        ids = [self.add_request(p, sp, None, o) for p, sp, o in zip(prompts, per, opts, strict=True)]
         results: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished():
             for out in self.step():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -50,6 +51,41 @@ class TokenLogprobs:
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+
+
+@dataclass(slots=True, frozen=True)
+class RequestOptions:
+    """Everything about a request beyond its prompt and sampling, as one value instead of loose keywords.
+
+    ``cache_salt``: the tenant's prefix-cache namespace; ``""`` is normalised to ``None`` here, once, because
+    protobuf strings cannot be absent and both mean "no salt".
+    ``output_token_ids``: tokens already generated elsewhere (a producer's first token, a migrated
+    request's outputs); they are not streamed again.
+    ``num_external_tokens``: how many leading tokens of prompt + outputs have their KV loaded through the
+    connector instead of computed here.
+    ``block_hashes``: the keys of leading full blocks of prompt + outputs (``engine.block_hash``, this
+    engine's fingerprint and ``cache_salt``), when the caller already had to compute them; the engine then
+    hashes only the blocks beyond. The engine checks their count and size, not their content (that would
+    mean hashing again): a wrong key files blocks under another prefix, so pass only keys computed over
+    exactly these tokens. With a load that ends in a partial block, they stop before it: the connector
+    finds that block by request, not by key.
+
+    Sequences are copied into tuples so that the value really is immutable. The values are validated by
+    the engine that takes them (``Engine.add_request``), where the limits they depend on are known.
+    """
+
+    priority: int = 0  # lower is served first
+    cache_salt: str | None = None
+    output_token_ids: Sequence[int] = ()
+    num_external_tokens: int = 0
+    block_hashes: Sequence[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_salt == "":
+            object.__setattr__(self, "cache_salt", None)
+        object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids or ()))
+        if self.block_hashes is not None:
+            object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
 
 
 @dataclass(slots=True, eq=False)  # identity: list membership must not compare token lists

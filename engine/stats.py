@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 from engine.kv_cache_manager import PrefixCacheStats
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How busy an engine is, taken on the engine thread between steps and published whole, so that another
+    thread (a worker's event loop serving Stats, /metrics and admission) never walks the scheduler's queues
+    while the engine changes them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_loading: int = 0  # waiting for KV from outside
+    num_unfinished: int = 0  # every request the engine holds, in any state
+    used_blocks: int = 0
+    total_blocks: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens still to compute: the load a gateway balances on
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_steps: int = 0

@@ -16,8 +16,7 @@ import grpc
 
 from common import telemetry, worker
 from common.pb_convert import finish_reason, token_output
-from engine.block_hash import prompt_block_hashes
-from engine.request import RequestOutput
+from engine.request import RequestOptions, RequestOutput
 from kvstore.connector import KVStoreConnector
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -30,12 +29,16 @@ class PrefillServicer(worker.WorkerServicer):
         await self._admit(context)
         prompt = list(request.prompt_token_ids)
         params = await self._params(request.sampling, len(prompt), context)
-        rid, salt = request.request_id, request.cache_salt or None
+        rid = request.request_id
+        # The prompt's keys, computed once in this process: the engine files and pushes its blocks under
+        # them, and the handoff names them.
+        keys = await self._block_keys(prompt, request.cache_salt, context)
+        options = RequestOptions(priority=request.priority, cache_salt=request.cache_salt, block_hashes=keys,
+                                 num_external_tokens=self._stored_tokens(request.num_stored_tokens, len(prompt)))
         ctx = telemetry.incoming(context.invocation_metadata())
         handed_off = False
         try:
-            out = await self._prefill(context, ctx, prompt, params, rid, request.priority, salt,
-                                      self._stored_tokens(request.num_stored_tokens, len(prompt)))
+            out = await self._prefill(context, ctx, prompt, params, rid, options)
             sampled = time.monotonic()
             worker.trace_prefill(ctx, out, len(prompt))
             yield _first_message(out)
@@ -43,7 +46,7 @@ class PrefillServicer(worker.WorkerServicer):
                 return
             failed = await self.connector.wait_saved(rid)
             yield wpb.PrefillResponse(
-                handoff=self._handoff(prompt, salt, failed), kv_push_ms=worker.ms(time.monotonic() - sampled)
+                handoff=self._handoff(prompt, keys, failed), kv_push_ms=worker.ms(time.monotonic() - sampled)
             )
             handed_off = True
         finally:
@@ -53,10 +56,9 @@ class PrefillServicer(worker.WorkerServicer):
                 self.engine.abort(rid).add_done_callback(lambda _: self.connector.discard_request(rid))
 
     async def _prefill(self, context: grpc.aio.ServicerContext, ctx, prompt: list[int], params, rid: str,
-                       priority: int, salt: str | None, stored: int) -> RequestOutput:
+                       options: RequestOptions) -> RequestOutput:
         last = None
-        async for out in self._outputs(context, ctx, prompt, params, rid, priority, cache_salt=salt,
-                                       num_external_tokens=stored):
+        async for out in self._outputs(context, ctx, prompt, params, rid, options):
             last = out
         assert last is not None and last.finished, "a producer's request ends with its first token"
         return last
@@ -66,12 +68,12 @@ class PrefillServicer(worker.WorkerServicer):
         bs = self.core.config.block_size
         return min(hint, prompt_len - 1) // bs * bs
 
-    def _handoff(self, prompt: list[int], salt: str | None, failed: int) -> cpb.KVHandoff:
+    def _handoff(self, prompt: list[int], keys: list[bytes], failed: int) -> cpb.KVHandoff:
         bs = self.core.config.block_size
         return cpb.KVHandoff(
             kvstore_address=self.kvstore_address,
             num_tokens=len(prompt),
-            block_keys=prompt_block_hashes(self.core.fingerprint, prompt, bs, salt),
+            block_keys=keys,
             has_partial=len(prompt) % bs != 0,
             blocks_failed=failed,
         )

@@ -57,3 +57,25 @@ def test_cancelled_stream_frees_its_blocks(async_engine):
         return False
 
     assert asyncio.run(main())
+
+
+def test_load_is_published_by_the_engine_thread(async_engine):
+    """What Stats, /metrics and admission read: a snapshot the engine thread replaces whole, never the
+    scheduler's queues themselves."""
+
+    async def main():
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+        stream = async_engine.generate([1, 2, 3] * 10, params, "busy")
+        await stream.__anext__()
+        busy = async_engine.load
+        await stream.aclose()
+        for _ in range(200):
+            if async_engine.load.num_unfinished == 0:
+                break
+            await asyncio.sleep(0.01)
+        return busy, async_engine.load
+
+    busy, idle = asyncio.run(main())
+    assert (busy.num_running, busy.num_unfinished, busy.total_blocks) == (1, 1, 64)
+    assert busy.used_blocks >= 2 and busy.queued_prompt_tokens == 0
+    assert (idle.num_running, idle.num_waiting, idle.num_unfinished, idle.used_blocks) == (0, 0, 0, 0)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import Engine, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.kv_transfer import LoadResult, LocalKVTransfer
-from engine.request import Request
+from engine.block_hash import prompt_block_hashes
+from engine.kv_transfer import LoadResult, LocalKVTransfer, PartialRef
+from engine.request import Request, RequestOptions
 from tests.hf_reference import hf_greedy, load_hf
 from tests.unit.test_engine_correctness import mixed_prompts, run_engine
 
@@ -23,9 +25,9 @@ class RecordingTransfer(LocalKVTransfer):
         self.saves: list[tuple[str, int, int]] = []
         self.loads: list[tuple[str, int, int]] = []
 
-    def save_blocks(self, request, first_block, keys, data):
-        self.saves.append((request.request_id, first_block, len(keys)))
-        super().save_blocks(request, first_block, keys, data)
+    def save_blocks(self, request, first_block, refs, data):
+        self.saves.append((request.request_id, first_block, len(refs)))
+        super().save_blocks(request, first_block, refs, data)
 
     def start_load(self, request, first_block, num_blocks):
         self.loads.append((request.request_id, first_block, num_blocks))
@@ -71,7 +73,7 @@ def decode(
     outs = {}
     for rid, p, sp in zip(ids, prompts, params, strict=True):
         token, _ = firsts[rid]
-        consumer.add_request(p, sp, request_id=rid, output_token_ids=[token], num_external_tokens=len(p))
+        consumer.add_request(p, sp, rid, RequestOptions(output_token_ids=[token], num_external_tokens=len(p)))
         outs[rid] = [token]
     while consumer.has_unfinished():
         for out in consumer.step():
@@ -164,7 +166,7 @@ def test_blocks_of_another_shape_are_refused_and_recomputed(tiny_llama, tiny_mod
     consumer.kv.update_hashes(probe, len(prompt))
     (wrong,) = store.full.values()
     store.full = {probe.block_hashes[0]: wrong}
-    store.partial = {("r0", 1): wrong}
+    store.partial = {PartialRef("r0", 1): wrong}
     out = decode(consumer, [prompt], [greedy(4)], firsts)
     assert consumer.stats.kv_load_failures == 1 and len(out[0]) == 4
     assert_all_blocks_back(consumer)
@@ -186,13 +188,26 @@ def test_handoff_arguments_are_validated(tiny_llama):
     bare = Engine.from_model(str(tiny_llama), num_kv_blocks=16)
     prompt = [1, 2, 3]
     with pytest.raises(ValueError, match="num_external_tokens"):
-        consumer.add_request(prompt, greedy(4), output_token_ids=[4], num_external_tokens=4)
+        consumer.add_request(prompt, greedy(4), options=RequestOptions(output_token_ids=[4], num_external_tokens=4))
     with pytest.raises(ValueError, match="nothing left within max_tokens"):
-        consumer.add_request(prompt, greedy(1), output_token_ids=[4], num_external_tokens=3)
+        consumer.add_request(prompt, greedy(1), options=RequestOptions(output_token_ids=[4], num_external_tokens=3))
     with pytest.raises(ValueError, match="output token ids"):
-        consumer.add_request(prompt, greedy(4), output_token_ids=[10**6], num_external_tokens=3)
+        consumer.add_request(prompt, greedy(4), options=RequestOptions(output_token_ids=[10**6], num_external_tokens=3))
     with pytest.raises(ValueError, match="needs a KV connector"):
-        bare.add_request(prompt, greedy(4), output_token_ids=[4], num_external_tokens=3)
+        bare.add_request(prompt, greedy(4), options=RequestOptions(output_token_ids=[4], num_external_tokens=3))
+
+
+def test_block_hashes_never_name_a_block_loaded_partially(tiny_llama):
+    """The producer pushed the prompt's partial block by request; with the first token it is full here, but a
+    key for it would make the load look it up by key, miss, and recompute the prompt."""
+    consumer = Engine.from_model(str(tiny_llama), LocalKVTransfer(), num_kv_blocks=16, role="consumer")
+    prompt = list(range(3, 50))  # 47 tokens: 2 full blocks and a partial one, full once the first token joins
+    keys = prompt_block_hashes(consumer.fingerprint, prompt + [4], 16)
+    handoff = RequestOptions(output_token_ids=[4], num_external_tokens=47, block_hashes=keys)
+    with pytest.raises(ValueError, match="partial block"):
+        consumer.add_request(prompt, greedy(4), options=handoff)
+    rid = consumer.add_request(prompt, greedy(4), options=replace(handoff, block_hashes=keys[:2]))
+    assert consumer.scheduler.requests[rid].block_hashes == keys[:2] and consumer.abort(rid)
 
 
 def test_async_consumer_waits_for_loads_and_abort_while_loading_frees_blocks(tiny_llama):
@@ -203,7 +218,9 @@ def test_async_consumer_waits_for_loads_and_abort_while_loading_frees_blocks(tin
     reference = run_engine(Engine.from_model(str(tiny_llama), num_kv_blocks=32), prompts, [10, 10])
 
     consumer = Engine.from_model(str(tiny_llama), store, num_kv_blocks=32, role="consumer")
-    rid = consumer.add_request(prompts[1], params[1], "r1", output_token_ids=[firsts["r1"][0]], num_external_tokens=33)
+    rid = consumer.add_request(
+        prompts[1], params[1], "r1", RequestOptions(output_token_ids=[firsts["r1"][0]], num_external_tokens=33)
+    )
     consumer.step()  # admitted: blocks held while the load is in flight
     assert consumer.scheduler.loading and consumer.num_free_blocks == 32 - 3
     assert consumer.abort(rid) and consumer.num_free_blocks == 32
@@ -214,7 +231,7 @@ def test_async_consumer_waits_for_loads_and_abort_while_loading_frees_blocks(tin
         try:
             out = [firsts["r0"][0]]
             async for o in engine.generate(
-                prompts[0], params[0], "r0", output_token_ids=[firsts["r0"][0]], num_external_tokens=33
+                prompts[0], params[0], "r0", RequestOptions(output_token_ids=[firsts["r0"][0]], num_external_tokens=33)
             ):
                 out += o.new_token_ids
             return out

@@ -1,10 +1,11 @@
-"""Prefix caching: shared prefixes are computed once, keys never collide, eviction is LRU."""
+"""Prefix caching: shared prefixes are computed once, keys never collide, eviction is LRU. A shared system
+prompt on the default model: tests/e2e/test_prefix_cache.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, kv_cache_manager
 from engine.block_hash import (
     block_hash,
     model_fingerprint,
@@ -13,7 +14,7 @@ from engine.block_hash import (
     weights_digest,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.request import Request, RequestOptions
 from tests.hf_reference import hf_greedy, load_hf
 from tests.unit.test_engine_correctness import mixed_prompts
 
@@ -22,11 +23,13 @@ def greedy(n: int, ignore_eos: bool = True) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)
 
 
-def run_one(engine: Engine, prompt: list[int], n: int, ignore_eos: bool = True, **kwargs) -> tuple[list[int], int]:
+def run_one(
+    engine: Engine, prompt: list[int], n: int, ignore_eos: bool = True, options: RequestOptions | None = None
+) -> tuple[list[int], int]:
     """Output tokens, and how many prompt tokens the engine computed for them."""
     before = engine.stats.prompt_tokens_computed
     out = []
-    rid = engine.add_request(prompt, greedy(n, ignore_eos), **kwargs)
+    rid = engine.add_request(prompt, greedy(n, ignore_eos), options=options)
     while engine.has_unfinished():
         out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     return out, engine.stats.prompt_tokens_computed - before
@@ -99,12 +102,65 @@ def test_concurrent_requests_share_prefix_blocks(tiny_llama, hf_tiny):
 def test_cache_salt_separates_tenants(tiny_llama):
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64)
     prompt = mixed_prompts(1, 256, 40, 40, seed=10)[0]
-    run_one(engine, prompt, 2, cache_salt="tenant-a")
-    _, computed_b = run_one(engine, prompt, 2, cache_salt="tenant-b")
+    run_one(engine, prompt, 2, options=RequestOptions(cache_salt="tenant-a"))
+    _, computed_b = run_one(engine, prompt, 2, options=RequestOptions(cache_salt="tenant-b"))
     _, computed_unsalted = run_one(engine, prompt, 2)
-    _, computed_a = run_one(engine, prompt, 2, cache_salt="tenant-a")
+    _, computed_a = run_one(engine, prompt, 2, options=RequestOptions(cache_salt="tenant-a"))
     assert computed_b == computed_unsalted == 40  # another salt (or none) sees nothing
     assert computed_a == 40 - 32  # the same tenant reuses its 2 full blocks
+
+
+def test_an_empty_cache_salt_is_no_salt():
+    """Protobuf strings cannot be absent: ``""`` arrives for "no salt" and becomes None in one place."""
+    options = RequestOptions(cache_salt="", output_token_ids=[1, 2], block_hashes=[b"k" * 32])
+    assert options.cache_salt is None and RequestOptions(cache_salt="a").cache_salt == "a"
+    assert options.output_token_ids == (1, 2) and options.block_hashes == (b"k" * 32,)  # frozen all through
+
+
+def test_supplied_block_hashes_are_used_instead_of_hashing_again(tiny_llama, monkeypatch):
+    """A worker that hashed the prompt already (to build or check a handoff) passes the keys on: the engine
+    files the blocks under them and hashes only beyond, so a process hashes a prompt once."""
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64)
+    prompt = mixed_prompts(1, 256, 40, 40, seed=12)[0]
+    keys = prompt_block_hashes(engine.fingerprint, prompt, 16, "tenant")
+    hashed = []
+    chain_hashes = kv_cache_manager.chain_hashes
+    monkeypatch.setattr(kv_cache_manager, "chain_hashes", lambda *a: hashed.append(a) or chain_hashes(*a))
+    rid = engine.add_request(prompt, greedy(2), options=RequestOptions(cache_salt="tenant", block_hashes=keys))
+    assert engine.scheduler.requests[rid].block_hashes == keys
+    while engine.has_unfinished():
+        engine.step()
+    assert hashed == []  # 41 tokens computed: no full block beyond the two supplied
+    # They are the keys the engine computes itself: a request that brings none hits the blocks filed under them.
+    _, computed = run_one(engine, prompt, 2, options=RequestOptions(cache_salt="tenant"))
+    assert computed == 40 - 32 and hashed
+    # Taken as given, not rehashed: blocks filed under other keys are found by those keys only.
+    forged = [bytes([1]) * 32, bytes([2]) * 32]
+    _, computed_forged = run_one(engine, prompt, 2, options=RequestOptions(block_hashes=forged))
+    _, computed_again = run_one(engine, prompt, 2, options=RequestOptions(block_hashes=forged))
+    _, computed_unsalted = run_one(engine, prompt, 2)
+    assert (computed_forged, computed_again, computed_unsalted) == (40, 8, 40)
+    assert_all_blocks_back(engine)
+
+
+def test_malformed_block_hashes_are_refused(tiny_llama):
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64)
+    prompt = mixed_prompts(1, 256, 31, 31, seed=13)[0]
+    with_output = prompt_block_hashes(engine.fingerprint, prompt + [5], 16)  # 32 tokens: 2 full blocks
+    for keys, message in [
+        (with_output, "at most one per full block"),  # the prompt alone fills only one
+        ([with_output[0][:31]], "32-byte keys"),
+        ([with_output[0].hex()[:32]], "32-byte keys"),
+        ([bytes(33)], "32-byte keys"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, greedy(2), options=RequestOptions(block_hashes=keys))
+    assert not engine.has_unfinished()
+    # Full blocks count generated tokens too: with its output the same request has two.
+    engine.add_request(prompt, greedy(2), options=RequestOptions(output_token_ids=[5], block_hashes=with_output))
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_back(engine)
 
 
 def test_keys_never_collide_across_salts_or_models():
@@ -185,23 +241,3 @@ def test_prefix_caching_off_computes_everything(tiny_llama):
     run_one(engine, prompt, 2)
     _, computed = run_one(engine, prompt, 2)
     assert computed == 40 and engine.kv.pool.num_cached_blocks == 0
-
-
-def test_default_model_shared_system_prompt_matches_transformers(default_model):
-    from tokenizer_svc.tokenizer import TextTokenizer
-
-    tok = TextTokenizer(default_model)
-    system = {"role": "system", "content": "You are a terse geography tutor. Answer in one short sentence. " * 3}
-    prompts = [
-        tok.encode_chat([system, {"role": "user", "content": q}])
-        for q in ("What is the capital of France?", "What is the capital of Japan?")
-    ]
-    engine = Engine.from_model(str(default_model), kv_cache_gb=0.1)
-    out1, computed1 = run_one(engine, prompts[0], 12, ignore_eos=False)
-    out2, computed2 = run_one(engine, prompts[1], 12, ignore_eos=False)
-    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
-    assert computed1 == len(prompts[0])
-    assert computed2 == len(prompts[1]) - shared // 16 * 16
-    hf = load_hf(default_model)
-    assert out1 == hf_greedy(hf, prompts[0], 12) and out2 == hf_greedy(hf, prompts[1], 12)
-    assert_all_blocks_back(engine)

@@ -7,7 +7,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_transfer import LocalKVTransfer
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestOptions, RequestStatus
 from engine.scheduler import Scheduler
 from tests.hf_reference import hf_greedy, load_hf
 from tests.unit.test_engine_correctness import mixed_prompts, run_engine
@@ -83,7 +83,8 @@ def test_preemption_under_a_tiny_pool_matches_transformers(tiny_llama, policy):
     max_tokens = [40, 35, 30, 25, 20, 45]
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=12, scheduling_policy=policy)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
-    ids = [engine.add_request(p, sp, priority=i % 3) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    ids = [engine.add_request(p, sp, options=RequestOptions(priority=i % 3))
+           for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     outs: dict[str, list[int]] = {i: [] for i in ids}
     finished = []
     while engine.has_unfinished():
@@ -149,7 +150,7 @@ def test_abort_frees_everything_at_every_stage(tiny_llama):
     for r in sorted(extra, key=lambda r: state(r).status is not RequestStatus.PREEMPTED):
         assert engine.abort(r)
     store.hold = True
-    loading = engine.add_request(prompts[3], params, output_token_ids=[1], num_external_tokens=40)
+    loading = engine.add_request(prompts[3], params, None, RequestOptions(output_token_ids=[1], num_external_tokens=40))
     step_until(lambda: state(loading).status is RequestStatus.WAITING_FOR_KV)
     assert engine.abort(loading)
     store.hold = False

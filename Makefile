@@ -1,10 +1,11 @@
-# tandem: `make run` streams an answer from the default model; `make test` runs the suite.
+# tandem: `make run` streams an answer from the default model; `make test` runs the suite (`make test-fast`:
+# ruff and tests/unit only, in process, about a minute).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TANDEM := $(VENV)/bin/tandem
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup model run test lint bench clean
+.PHONY: setup model run test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +26,10 @@ run: model
 test: model
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+test-fast: model
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests/unit
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """A gateway process given ``--decode-workers dns:///localhost:PORT``: the system's resolver (getaddrinfo) finds
 the real worker process of a ``tandem up`` aggregated cluster, the gateway serves through it, and its Stats and
-the bench's StatsPoller see the worker by its resolved address. (tests/unit/test_worker_discovery.py changes the
+the bench's StatsPoller see the worker by its resolved address. (tests/e2e/test_worker_discovery.py changes the
 DNS answer under a running gateway.)
 """
 

@@ -7,7 +7,7 @@
 the bytes, to get past the parser), then ``validate`` and ``check_length``: nothing but InvalidRequest may
 escape. ``detokenizer``: token ids in chunks through the incremental detokenizer: the deltas concatenate
 to the whole decode. Any other exception, or an input slower than ``-timeout``, is a crash that libFuzzer
-saves under ``-artifact_prefix``. Flags after the target are libFuzzer's (tests/unit/test_fuzz.py runs a
+saves under ``-artifact_prefix``. Flags after the target are libFuzzer's (tests/e2e/test_fuzz.py runs a
 bounded number of runs).
 """
 

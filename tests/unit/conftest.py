@@ -1,23 +1,79 @@
-"""Real aggregated workers for the unit tests that need a whole gateway path (tests.unit.inprocess)."""
+"""tests/unit is fast and in process: no test here starts a process (no model worker, no redis-server, no CLI,
+no pip) or loads the default model's weights; tiny random checkpoints (tests/conftest.py) stand in for models.
+What needs processes or the real model lives in tests/e2e.
+
+The hooks below hold every unit test to that: starting a process in a unit test's setup (its fixtures) or
+body fails the test with a message that names the rule, even where the code under test catches the error.
+"""
 
 from __future__ import annotations
 
+import _posixsubprocess
+import multiprocessing.process
+import os
+import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
 
 import pytest
 
-from tests.unit.inprocess import RealWorkers
+RULE = "tests/unit starts no process; a test that needs one (or the real model) belongs in tests/e2e"
 
 
-@pytest.fixture(scope="session")
-def real_workers(default_model, tmp_path_factory) -> Iterator[RealWorkers]:
-    """Worker processes on the default model, started on first use, shared by the session's modules."""
-    workers = RealWorkers(default_model, tmp_path_factory.mktemp("worker-logs"))
-    yield workers
-    workers.close()
+class ProcessStartedInUnitTest(AssertionError):
+    """A unit test (or one of its fixtures) tried to start a process."""
 
 
-@pytest.fixture(scope="session")
-def aggregated_worker(real_workers) -> str:
-    """The address of one real aggregated worker."""
-    return real_workers.addresses(1)[0]
+@cache
+def _warm_caches() -> None:
+    """What the code under test caches after starting a process once, done before any guard. torch's extension
+    loader runs ninja and the compiler even when the build is cached: the CPU kernels (built by `make model`)
+    are loaded under both of ``cpu_ops.load``'s cache keys (the engine passes its ``kernel_cache_dir``, None
+    by default; tests call it bare). ``platform.platform()`` (the benchmarks' JSON) runs ``uname -p`` once."""
+    import platform
+
+    from engine import cpu_ops
+
+    cpu_ops.load()
+    cpu_ops.load(None)
+    platform.platform()
+
+
+@contextmanager
+def _no_processes(item: pytest.Item) -> Iterator[None]:
+    attempts: list[str] = []
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            call = f"subprocess.Popen({args[1]!r})" if what == "subprocess.Popen" else what  # (self, args, ...)
+            attempts.append(call)
+            raise ProcessStartedInUnitTest(f"{call} in {item.nodeid}: {RULE}")
+
+        return refused
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", refuse("subprocess.Popen"))  # run, check_output, asyncio
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing.Process.start"))
+        mp.setattr(_posixsubprocess, "fork_exec", refuse("_posixsubprocess.fork_exec"))  # multiprocessing's spawn
+        for name in ("system", "fork", "forkpty", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                mp.setattr(os, name, refuse(f"os.{name}"))
+        try:
+            yield
+        finally:
+            if attempts:  # also when the code under test caught the error, or raised its own
+                raise ProcessStartedInUnitTest(f"{item.nodeid} tried to start a process: {', '.join(attempts)}. {RULE}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _warm_caches()
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _no_processes(item):
+        return (yield)

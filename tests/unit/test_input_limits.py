@@ -1,6 +1,6 @@
 """Limits wherever input enters: every one a clear INVALID_ARGUMENT (the gRPC size limit, RESOURCE_EXHAUSTED,
-is gRPC's own; the public port checked on an in-process gateway in front of a real aggregated worker); chat
-templates render in a sandbox that cannot read files, import or run code, nor run away."""
+is gRPC's own; the public port is checked on a gateway in front of a real worker in tests/e2e/test_input_limits.py);
+chat templates render in a sandbox that cannot read files, import or run code, nor run away."""
 
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ from gateway.validation import (
 )
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
-from protos import gateway_pb2_grpc as gpb_grpc
 from protos import tokenizer_pb2 as tpb
 from protos import tokenizer_pb2_grpc as tpb_grpc
-from tests.unit.inprocess import LoopThread, Stack
+from tests.loop_thread import LoopThread
 from tokenizer_svc import tokenizer as tokenizer_module
 from tokenizer_svc.server import build_service
 from tokenizer_svc.tokenizer import ChatTemplateError, TextTokenizer
@@ -91,24 +90,6 @@ def test_prompt_token_limits():
     assert valid.params.max_tokens == 412  # the rest of the model length
     with pytest.raises(InvalidRequest, match="token_ids has 101 ids; at most 100"):
         validate(request(prompt=None, token_ids=gpb.TokenIds(ids=[1] * 101)), own)
-
-
-def test_the_public_port_takes_smaller_messages(default_model, aggregated_worker):
-    stack = Stack(default_model, aggregated_worker, ["--max-request-bytes", "4096", "--max-prompt-tokens", "8"])
-    try:
-        with grpc.insecure_channel(stack.gateway) as ch:
-            stub = gpb_grpc.GatewayStub(ch)
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(request(prompt="x" * 5000), timeout=10))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.value.details()
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(request(prompt="word " * 100), timeout=10))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "this gateway takes at most 8 prompt tokens" in err.value.details()
-            short = request(prompt="Hello", sampling=cpb.SamplingParams(max_tokens=2))
-            assert list(stub.Generate(short, timeout=10))[-1].finish_reason
-    finally:
-        stack.close()
 
 
 # ---- the chat template sandbox ------------------------------------------------------------------------------------

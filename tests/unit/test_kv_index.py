@@ -1,4 +1,5 @@
-"""The block index contract, run against both backends: the in-process dicts and a real redis-server."""
+"""The block index contract, run against the in-process dicts. tests/e2e/test_kv_index.py runs the same tests
+against a real redis-server."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 from engine.block_hash import prompt_block_hashes
 from kvstore.index import BlockIndex, IndexEntry, IndexUnavailableError, MemoryIndex
 from kvstore.redis_index import RedisIndex
-from tandem.redis_server import RedisServer
 
 TTL_S = 0.3  # short enough to sleep through on redis, long enough to outlast a slow scheduler
 
@@ -59,16 +58,9 @@ class Backend:
             index.close()
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory"])  # the "redis" backend, a real redis-server: tests/e2e/test_kv_index.py
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
-    b = Backend(request.param, url)
+    b = Backend(request.param)
     yield b
     b.close()
 
@@ -268,35 +260,6 @@ def test_two_clients_see_each_others_commits(backend: Backend) -> None:
     assert a.nodes() == b.nodes() == {"node-a": "a:1", "node-b": "b:1"}
     assert b.remove("node-b", [KEYS[1], KEYS[2]]) == 1
     assert a.lookup(KEYS[:3]) == expected[:2]
-
-
-def test_redis_down_is_unavailable_and_recovers() -> None:
-    server = RedisServer().start()
-    index = RedisIndex(server.url, prefix="restart:")
-    try:
-        index.register_node("node-a", "a:1", 60)
-        index.commit([entry(0)])
-        server.stop()
-        for call in (lambda: index.lookup(KEYS[:1]), lambda: index.commit([entry(1)]), index.nodes):
-            with pytest.raises(IndexUnavailableError, match=f"Redis at {server.url} is unavailable") as err:
-                call()
-            assert isinstance(err.value, ConnectionError)
-        server.start()  # same port, empty: the scripts must be loaded again (NOSCRIPT)
-        assert index.lookup(KEYS[:1]) == []
-        index.register_node("node-a", "a:1", 60)
-        index.commit([entry(0)])
-        assert index.lookup(KEYS[:1]) == [entry(0)]
-        redis.Redis.from_url(server.url).script_flush()
-        assert index.get(KEYS[:1]) == [entry(0)]
-        server.stop()
-        server.start()  # no failed call in between: the pooled socket is stale, one reconnect absorbs it
-        assert index.nodes() == {}
-        server.stop()
-        server.start()  # the same for a read (its own round trip, outside redis-py's command path)
-        assert index.lookup(KEYS[:1]) == [] and index.get(KEYS[:1]) == [None]
-    finally:
-        index.close()
-        server.close()
 
 
 def test_unavailable_message_hides_the_password() -> None:

@@ -7,11 +7,7 @@ Tests call them through real channels, and read the in-process gateway's state (
 from __future__ import annotations
 
 import argparse
-import asyncio
-import threading
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -21,28 +17,13 @@ from gateway.server import SERVICE_NAME, Gateway, add_args, add_gateway_servicer
 from tandem.launcher import Cluster, ClusterConfig, ServiceProcess, ServiceSpec
 from tandem.model_fetch import MODEL_NAME
 from tests.e2e.pipeline import WORKER_ARGS
+from tests.loop_thread import LoopThread
 from tokenizer_svc.server import build_service
 from tokenizer_svc.tokenizer import TextTokenizer
 
 # The workers' --max-model-len: short prompts and streams keep a request to a few engine steps.
 MODEL_LEN = 256
 MODEL = MODEL_NAME  # what the workers' Info calls the default model (its folder's name)
-
-
-class LoopThread:
-    """An event loop on a daemon thread: servers live there, tests hand it coroutines."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class RealWorkers:

@@ -27,7 +27,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
-log = logging.getLogger("common.status")
+log = logging.getLogger("tandem.status")
 
 Status = tuple[grpc.StatusCode, str]
 # What an exception class maps to: a code (the message is ``str(exc)``), or a function of the exception.

@@ -31,7 +31,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from common.paths import tandem_home
 
-log = logging.getLogger("common.telemetry")
+log = logging.getLogger("tandem.telemetry")
 
 TRACER = "tandem"
 TRACE_FILE_ENV = "TANDEM_TRACE_FILE"

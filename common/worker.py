@@ -1,5 +1,5 @@
 """What the prefill and decode workers share: the engine in its role behind an ``AsyncEngine``,
-the ``Info`` and ``Stats`` RPCs, error mapping, and the process entry point.
+the ``Info`` and ``Stats`` RPCs, the status table of their errors, and the process entry point.
 
 A worker is a thin shell: it converts protobuf at the edge, hands the request to
 the engine, and turns the engine's outputs into messages. Requests end in the
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the engine loads torch: only the process that serves pays f
     from engine.engine import Engine
     from engine.kv_transfer import KVConnector, KVConnectorWorkerSide
 
-log = logging.getLogger("common.worker")
+log = logging.getLogger("tandem.worker")
 ConnectorT = TypeVar("ConnectorT", bound="KVConnector")  # the service's connector class: both sides of the seam
 
 
@@ -169,13 +169,10 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.role} worker queue is full ({self.max_waiting} waiting)"
             )
 
-    async def _params(
-        self, p: cpb.SamplingParams, prompt_len: int, context: grpc.aio.ServicerContext
-    ) -> SamplingParams:
-        try:
-            return sampling_from_pb(p, max(1, self.core.config.max_model_len - prompt_len))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    def _params(self, p: cpb.SamplingParams, prompt_len: int) -> SamplingParams:
+        """The engine's parameters, converted once at this edge; bad values raise ValueError, which the
+        server's status interceptor turns into INVALID_ARGUMENT."""
+        return sampling_from_pb(p, max(1, self.core.config.max_model_len - prompt_len))
 
     async def _block_keys(
         self, token_ids: list[int], salt: str | None, context: grpc.aio.ServicerContext
@@ -192,8 +189,7 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                                 f"token ids must be integers in [0, {self.core.model_config.vocab_size})")
 
     async def _outputs(
-        self, context: grpc.aio.ServicerContext, ctx: Any, prompt: list[int], params: SamplingParams,
-        request_id: str, options: RequestOptions,
+        self, ctx: Any, prompt: list[int], params: SamplingParams, request_id: str, options: RequestOptions,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one call, counted in Stats and metrics; what the engine raises is the
         call's status (``STATUSES``: bad input INVALID_ARGUMENT, an engine failure INTERNAL).

@@ -33,7 +33,7 @@ class DecodeServicer(worker.WorkerServicer):
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
         await self._admit(context)
         prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
-        params = await self._params(request.sampling, len(prompt), context)
+        params = self._params(request.sampling, len(prompt))
         external, keys = 0, None
         if request.HasField("handoff"):
             external, keys = await self._check_handoff(request, prompt + outputs, context)
@@ -42,7 +42,7 @@ class DecodeServicer(worker.WorkerServicer):
         ctx = telemetry.incoming(context.invocation_metadata())
         stream = StreamTrace(ctx, len(prompt), prefills=not request.HasField("handoff") and not outputs)
         try:
-            async for out in self._outputs(context, ctx, prompt, params, request.request_id, options):
+            async for out in self._outputs(ctx, prompt, params, request.request_id, options):
                 first = stream.step(out)
                 yield _message(out, first)
             stream.finish("OK")

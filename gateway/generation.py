@@ -219,7 +219,7 @@ class Generation:
                 self._routed(worker, new_tokens)
             else:
                 self.backends.reroutes.prefill_retried()
-                self.record.root.add_event("prefill retried", {"common.worker": worker.address,
+                self.record.root.add_event("prefill retried", {"tandem.worker": worker.address,
                                                                "reason": last.details() if last else ""})
             call = worker.track(worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
                                                     metadata=self.record.metadata()))
@@ -363,7 +363,7 @@ class Generation:
     def _routed(self, worker: WorkerClient, new_tokens: int) -> None:
         self.clock.mark("routed")
         self.record.end_route(**{
-            "common.worker": worker.address,
+            "tandem.worker": worker.address,
             "tandem.worker_queue_tokens": worker.pending_prompt_tokens,
             "tandem.worker_inflight": worker.inflight,
             "tandem.stored_blocks": self.plan.stored_blocks,

@@ -28,7 +28,7 @@ class PrefillServicer(worker.WorkerServicer):
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):
         await self._admit(context)
         prompt = list(request.prompt_token_ids)
-        params = await self._params(request.sampling, len(prompt), context)
+        params = self._params(request.sampling, len(prompt))
         rid = request.request_id
         # The prompt's keys, computed once in this process: the engine files and pushes its blocks under
         # them, and the handoff names them.
@@ -38,7 +38,7 @@ class PrefillServicer(worker.WorkerServicer):
         ctx = telemetry.incoming(context.invocation_metadata())
         handed_off = False
         try:
-            out = await self._prefill(context, ctx, prompt, params, rid, options)
+            out = await self._prefill(ctx, prompt, params, rid, options)
             sampled = time.monotonic()
             worker.trace_prefill(ctx, out, len(prompt))
             yield _first_message(out)
@@ -55,10 +55,9 @@ class PrefillServicer(worker.WorkerServicer):
                 # i.e. after the step that may still be pushing it (the abort is applied between steps).
                 self.engine.abort(rid).add_done_callback(lambda _: self.connector.discard_request(rid))
 
-    async def _prefill(self, context: grpc.aio.ServicerContext, ctx, prompt: list[int], params, rid: str,
-                       options: RequestOptions) -> RequestOutput:
+    async def _prefill(self, ctx, prompt: list[int], params, rid: str, options: RequestOptions) -> RequestOutput:
         last = None
-        async for out in self._outputs(context, ctx, prompt, params, rid, options):
+        async for out in self._outputs(ctx, prompt, params, rid, options):
             last = out
         assert last is not None and last.finished, "a producer's request ends with its first token"
         return last

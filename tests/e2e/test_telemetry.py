@@ -105,7 +105,7 @@ def test_one_request_is_one_trace_across_all_five_services(cluster, receiver, tm
     stream = next(s for s in spans if s["name"] == "decode.stream")["attributes"]
     assert {"itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "tpot_ms"} <= set(stream)
     route = next(s for s in spans if s["name"] == "gateway.route")["attributes"]
-    assert route["common.worker"] == cluster.prefill[0].address
+    assert route["tandem.worker"] == cluster.prefill[0].address
 
     # `tandem trace` reads what the receiver wrote.
     out = tmp_path / "waterfall.txt"

@@ -165,9 +165,9 @@ def test_a_bug_is_internal_with_its_traceback_in_the_log_and_not_in_the_reply(ca
         assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, BUG_MESSAGE)
         await until_counted("Bug", "INTERNAL", before)
 
-    with caplog.at_level(logging.ERROR, logger="common.status"):
+    with caplog.at_level(logging.ERROR, logger="tandem.status"):
         serve(test)
-    [record] = [r for r in caplog.records if r.name == "common.status"]
+    [record] = [r for r in caplog.records if r.name == "tandem.status"]
     assert f"/{SERVICE}/Bug" in record.getMessage() and record.exc_info[0] is KeyError
 
 

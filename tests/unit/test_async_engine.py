@@ -67,7 +67,11 @@ def test_load_is_published_by_the_engine_thread(async_engine):
         params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
         stream = async_engine.generate([1, 2, 3] * 10, params, "busy")
         await stream.__anext__()
-        busy = async_engine.load
+        for _ in range(200):  # the engine thread publishes after the step that sent the first token
+            busy = async_engine.load
+            if busy.num_running:
+                break
+            await asyncio.sleep(0.01)
         await stream.aclose()
         for _ in range(200):
             if async_engine.load.num_unfinished == 0:

@@ -223,27 +223,23 @@ class Generation:
                                                                "reason": last.details() if last else ""})
             call = worker.track(worker.stub.Prefill(self._prefill_request(rid), timeout=self.timeout(),
                                                     metadata=self.record.metadata()))
-            worker.inflight += 1
-            worker.pending_prompt_tokens += new_tokens
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    raise downstream_error(f"prefill worker {worker.address}", exc) from exc
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    worker.mark_down(exc.details() or "unavailable")
-                last = exc
-                continue
-            except BaseException:  # cancelled by the client, or the deadline: abort it in the worker too
-                call.cancel()
-                raise
-            finally:
-                worker.inflight -= 1
-                worker.pending_prompt_tokens -= new_tokens
+            with worker.claim(new_tokens):
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE:
+                        raise downstream_error(f"prefill worker {worker.address}", exc) from exc
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        worker.mark_down(exc.details() or "unavailable")
+                    last = exc
+                    continue
+                except BaseException:  # cancelled by the client, or the deadline: abort it in the worker too
+                    call.cancel()
+                    raise
             if first is grpc.aio.EOF:
                 call.cancel()
                 raise GenerationError(grpc.StatusCode.INTERNAL, f"prefill worker {worker.address} sent nothing")
-            worker.affinity.insert(plan.keys)
+            worker.remember_prefix(plan.keys)
             self.prefill_worker = worker.address
             return worker, call, first, rid
         raise self._no_worker("prefill", last)
@@ -293,36 +289,32 @@ class Generation:
                 self._routed(worker, new_tokens)
             call = worker.track(worker.stub.Decode(self._decode_request(rid, outputs, handoff),
                                                    timeout=self.timeout(), metadata=self.record.metadata()))
-            worker.inflight += 1
-            worker.pending_prompt_tokens += new_tokens
             received, reason = 0, None
-            try:
-                async for msg in call:
-                    if msg.finish_reason == cpb.FINISH_REASON_MIGRATE:
-                        reason = f"decode worker {worker.address} is draining"
-                        break
-                    if received == 0:
-                        worker.pending_prompt_tokens -= new_tokens
-                        new_tokens = 0
-                        self._decode_started(worker, msg, prefills)
-                    received += 1
-                    outputs.extend(msg.output.token_ids)
-                    yield await self.out.message(msg.output, msg.finish_reason)
-                    if self.out.finished:
-                        return
-                if reason is None:
-                    raise GenerationError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended the "
-                                          "stream without a finish reason")
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    raise downstream_error(f"decode worker {worker.address}", exc) from exc
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    worker.mark_down(exc.details() or "unavailable")
-                last, reason = exc, f"decode worker {worker.address} failed: {exc.details()}"
-            finally:
-                worker.inflight -= 1
-                worker.pending_prompt_tokens -= new_tokens
-                call.cancel()
+            with worker.claim(new_tokens) as claim:
+                try:
+                    async for msg in call:
+                        if msg.finish_reason == cpb.FINISH_REASON_MIGRATE:
+                            reason = f"decode worker {worker.address} is draining"
+                            break
+                        if received == 0:
+                            claim.computed()
+                            self._decode_started(worker, msg, prefills)
+                        received += 1
+                        outputs.extend(msg.output.token_ids)
+                        yield await self.out.message(msg.output, msg.finish_reason)
+                        if self.out.finished:
+                            return
+                    if reason is None:
+                        raise GenerationError(grpc.StatusCode.INTERNAL, f"decode worker {worker.address} ended "
+                                              "the stream without a finish reason")
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE:
+                        raise downstream_error(f"decode worker {worker.address}", exc) from exc
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        worker.mark_down(exc.details() or "unavailable")
+                    last, reason = exc, f"decode worker {worker.address} failed: {exc.details()}"
+                finally:
+                    call.cancel()
             failed.append(worker)
             migrations += 1
             if migrations > self.backends.migration_limit:
@@ -389,7 +381,7 @@ class Generation:
         self.decode_worker = worker.address
         self.timings.decode_queue_ms, self.timings.kv_pull_ms = msg.queue_ms, msg.kv_pull_ms
         if prefills:
-            worker.affinity.insert(self.plan.keys)
+            worker.remember_prefix(self.plan.keys)
             self.out.cached_tokens = msg.num_cached_tokens
             self.timings.prefill_queue_ms, self.timings.prefill_compute_ms = msg.queue_ms, msg.prefill_ms
             self.timings.decode_queue_ms = 0.0

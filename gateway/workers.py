@@ -20,12 +20,13 @@ the last known addresses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import socket
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,6 +69,21 @@ class PrefixAffinity:
             self._keys.move_to_end(k)
         while len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
+
+
+class Claim:
+    """One call's share of a worker's load, held while the call is open: it counts in ``inflight`` and its
+    prompt tokens in ``pending_prompt_tokens`` until the worker has computed them (``computed``)."""
+
+    __slots__ = ("pending", "worker")
+
+    def __init__(self, worker: WorkerClient, pending: int) -> None:
+        self.worker, self.pending = worker, pending
+
+    def computed(self) -> None:
+        """The prompt is done (the first token came back): its tokens no longer load the worker."""
+        self.worker.pending_prompt_tokens -= self.pending
+        self.pending = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +156,22 @@ class WorkerClient:
     @property
     def ready(self) -> bool:
         return self.healthy and self.info is not None
+
+    @contextlib.contextmanager
+    def claim(self, new_prompt_tokens: int) -> Iterator[Claim]:
+        """Count a call on this worker for routing while it is open (the only way its load changes)."""
+        self.inflight += 1
+        self.pending_prompt_tokens += new_prompt_tokens
+        held = Claim(self, new_prompt_tokens)
+        try:
+            yield held
+        finally:
+            self.inflight -= 1
+            held.computed()
+
+    def remember_prefix(self, keys: list[bytes]) -> None:
+        """The worker now caches these blocks: later requests with the same prefix prefer it."""
+        self.affinity.insert(keys)
 
     def load(self, new_prompt_tokens: int, streams_cost: int) -> int:
         queued = max(self.pending_prompt_tokens, self.polled.queued_prompt_tokens if self.polled else 0)

@@ -12,7 +12,7 @@ import pytest
 
 from common.tls import ClientTLS, install, internal_client
 from gateway.server import add_args, check_args
-from gateway.workers import DnsTarget, parse_dns, resolve_dns, tls_checking
+from gateway.workers import DnsTarget, WorkerClient, parse_dns, resolve_dns, tls_checking
 
 # -- entries, the real resolver, TLS names, flags --------------------------------------------------------------
 
@@ -64,3 +64,21 @@ def test_check_args_counts_dns_entries_and_refuses_malformed_ones():
     with pytest.raises(SystemExit, match="--discovery-interval-s"):
         check_args(parser.parse_args([*base, "--decode-workers", "dns:///decode:50062",
                                       "--prefill-workers", "dns:///prefill:50061", "--discovery-interval-s", "0"]))
+
+
+def test_a_claim_counts_a_call_on_its_worker_until_the_call_ends():
+    """Routing reads a worker's inflight calls and pending prompt tokens; a call changes them only through
+    its claim, which gives them back however the call ends."""
+
+    async def main() -> None:
+        worker = WorkerClient("127.0.0.1:1", "decode")
+        with worker.claim(40) as claim:
+            assert (worker.inflight, worker.pending_prompt_tokens) == (1, 40)
+            claim.computed()  # the first token: the prompt no longer loads the worker
+            assert (worker.inflight, worker.pending_prompt_tokens) == (1, 0)
+        with pytest.raises(RuntimeError), worker.claim(7):
+            raise RuntimeError("the call failed")
+        assert (worker.inflight, worker.pending_prompt_tokens) == (0, 0)
+        await worker.channel.close()
+
+    asyncio.run(main())

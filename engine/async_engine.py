@@ -87,13 +87,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            self.load = self.engine.load_snapshot()  # after the last step, before waiting for more
             block = not self.engine.has_unfinished()
+            if block:  # idle now: show it before waiting (a busy loop publishes once a step, below)
+                self.load = self.engine.load_snapshot()
             # Requests waiting only for KV loads: poll the loads without spinning the CPU.
             timeout = LOAD_POLL_S if self.engine.only_loading() else None
             if not self._drain_inbox(block or timeout is not None, timeout):
                 return
-            self.load = self.engine.load_snapshot()
+            self.load = self.engine.load_snapshot()  # with what the inbox added or aborted: admission reads it
             if not self.engine.has_unfinished():
                 continue
             try:

@@ -53,11 +53,16 @@ def build(cache_dir: Path | str | None = None) -> ModuleType:
                     extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
 
 
-@cache
 def load(cache_dir: Path | str | None = None) -> ModuleType | None:
-    """The kernels, or None when they cannot be built here (with a warning)."""
+    """The kernels, or None when they cannot be built here (with a warning). Loaded once per build folder
+    and process, however the folder is named (torch's loader runs ninja again on every call)."""
+    return _load(build_dir(cache_dir))
+
+
+@cache
+def _load(path: Path) -> ModuleType | None:
     try:
-        return build(cache_dir)
+        return build(path.parent)
     except Exception as exc:  # no compiler, no headers: plain torch ops still serve the model
         log.warning("CPU kernels unavailable, using plain torch ops (slower decode): %s", exc)
         return None

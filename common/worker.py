@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import struct
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -174,19 +173,11 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
         server's status interceptor turns into INVALID_ARGUMENT."""
         return sampling_from_pb(p, max(1, self.core.config.max_model_len - prompt_len))
 
-    async def _block_keys(
-        self, token_ids: list[int], salt: str | None, context: grpc.aio.ServicerContext
-    ) -> list[bytes]:
+    def _block_keys(self, token_ids: list[int], salt: str | None) -> list[bytes]:
         """The keys of the full blocks of ``token_ids``, hashed once per request in this process: the engine
-        gets them through ``RequestOptions.block_hashes`` instead of hashing again.
-
-        They are hashed before the engine has checked the tokens, so an id beyond int32 is refused here.
-        """
-        try:
-            return prompt_block_hashes(self.core.fingerprint, token_ids, self.core.config.block_size, salt)
-        except struct.error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token ids must be integers in [0, {self.core.model_config.vocab_size})")
+        gets them through ``RequestOptions.block_hashes`` instead of hashing again. They are hashed before the
+        engine has checked the tokens: an id a key cannot hold is a ValueError (INVALID_ARGUMENT)."""
+        return prompt_block_hashes(self.core.fingerprint, token_ids, self.core.config.block_size, salt)
 
     async def _outputs(
         self, ctx: Any, prompt: list[int], params: SamplingParams, request_id: str, options: RequestOptions,

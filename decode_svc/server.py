@@ -74,7 +74,7 @@ class DecodeServicer(worker.WorkerServicer):
         if n % bs and n != len(request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a handoff covers whole blocks of {bs} tokens, or the whole prompt; got {n}")
-        mine = await self._block_keys(tokens[:n], request.cache_salt, context)
+        mine = self._block_keys(tokens[:n], request.cache_salt)
         if list(request.handoff.block_keys) != mine:
             # Another model, dtype or block size produced them: pulling would load foreign bytes.
             log.warning("request %s: the handed-off block keys are not this worker's; recomputing",

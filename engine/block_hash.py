@@ -50,7 +50,12 @@ def root_hash(fingerprint: bytes, cache_salt: str | bytes | None = None) -> byte
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}i", *token_ids)).digest()
+    """Raises ValueError for ids a key cannot hold (outside int32): callers may hash before they validate."""
+    try:
+        packed = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be 32-bit integers to be hashed: {exc}") from exc
+    return hashlib.sha256(parent + packed).digest()
 
 
 def chain_hashes(parent: bytes, token_ids: Sequence[int], block_size: int, start_block: int = 0) -> list[bytes]:

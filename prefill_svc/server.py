@@ -32,7 +32,7 @@ class PrefillServicer(worker.WorkerServicer):
         rid = request.request_id
         # The prompt's keys, computed once in this process: the engine files and pushes its blocks under
         # them, and the handoff names them.
-        keys = await self._block_keys(prompt, request.cache_salt, context)
+        keys = self._block_keys(prompt, request.cache_salt)
         options = RequestOptions(priority=request.priority, cache_salt=request.cache_salt, block_hashes=keys,
                                  num_external_tokens=self._stored_tokens(request.num_stored_tokens, len(prompt)))
         ctx = telemetry.incoming(context.invocation_metadata())

@@ -31,7 +31,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.status import DEFAULT_STATUSES, StatusInterceptor, StatusTable
-from common.status import status_name as status_name  # services find it here; it lives with the interceptor
 from common.tls import ClientTLS, ServerTLS, ServiceTLS, internal_client
 
 # Large enough for a 128k-token prompt of uint32 ids with room to spare; the gateway

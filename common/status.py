@@ -81,10 +81,15 @@ DEFAULT_STATUSES = StatusTable({
 })
 
 
+def _ended(exc: BaseException) -> bool:
+    """The call has its status already: the handler aborted it, or it was cancelled or closed."""
+    return isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception)
+
+
 def outcome(exc: BaseException, context: grpc.aio.ServicerContext,
             table: StatusTable = DEFAULT_STATUSES) -> tuple[str, str]:
     """(status name, message) the call ends with once ``exc`` leaves its handler."""
-    if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):  # aborted, cancelled, closed
+    if _ended(exc):
         return status_name(context), context.details() or ""
     code, message = table.status(exc)
     return code.name, message
@@ -141,18 +146,8 @@ class _Call:
             return None
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            code = "CANCELLED"
-            try:
-                response = await behavior(request, context)
-                code = _returned(context)
-                return response
-            except BaseException as exc:
-                code, status = self._end(exc, context)
-                if status is not None:
-                    await context.abort(*status)
-                raise
-            finally:
-                HANDLED.labels(self.service, self.method, code).inc()
+            async with self._ending(context):
+                return await behavior(request, context)
 
         return handle
 
@@ -164,30 +159,31 @@ class _Call:
             return None
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            code = "CANCELLED"
-            try:
-                async with contextlib.aclosing(behavior(request, context)) as responses:
-                    async for response in responses:
-                        yield response
-                code = _returned(context)
-            except BaseException as exc:
-                code, status = self._end(exc, context)
-                if status is not None:
-                    await context.abort(*status)
-                raise
-            finally:
-                HANDLED.labels(self.service, self.method, code).inc()
+            async with self._ending(context), contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
 
         return handle
 
-    def _end(self, exc: BaseException, context: grpc.aio.ServicerContext) -> tuple[str, Status | None]:
-        """The name of the status ``exc`` ends the call with, and that status when the call has none yet."""
-        if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
-            return status_name(context), None
-        code, message = self.table.status(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("/%s/%s failed", self.service, self.method, exc_info=exc)
-        return code.name, (code, message)
+    @contextlib.asynccontextmanager
+    async def _ending(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Around one call: end it with the status of an exception that escapes its handler (unless it has
+        one already), and count how it ended."""
+        code = "CANCELLED"
+        try:
+            yield
+            code = _returned(context)
+        except BaseException as exc:
+            if _ended(exc):
+                code = status_name(context)
+                raise
+            status = self.table.status(exc)
+            code = status[0].name
+            if status[0] == grpc.StatusCode.INTERNAL:
+                log.error("/%s/%s failed", self.service, self.method, exc_info=exc)
+            await context.abort(*status)  # raises: the call ends here
+        finally:
+            HANDLED.labels(self.service, self.method, code).inc()
 
 
 def _returned(context: grpc.aio.ServicerContext) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.block_hash import chain_hashes, prompt_block_hashes, root_hash
+from engine.block_hash import chain_hashes, root_hash
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.observe import RequestRecord, Reroutes
 from gateway.stop_strings import StopMatcher
@@ -93,7 +93,7 @@ class Plan:
 
     valid: ValidRequest
     prompt: list[int]
-    keys: list[bytes]  # of the prompt's full blocks, hashed once per request (``plan_keys``)
+    keys: list[bytes]  # of the prompt's full blocks, hashed once per request
     stored_blocks: int
     cache_salt: str
     priority: int
@@ -343,7 +343,7 @@ class Generation:
         chain goes on from the plan's prompt keys, and only blocks no earlier migration hashed are hashed."""
         chain, bs = self.chain, self.plan.block_size
         if len(chain) < blocks:
-            parent = chain[-1] if chain else root_hash(self.plan.fingerprint, self.plan.cache_salt or None)
+            parent = chain[-1] if chain else root_hash(self.plan.fingerprint, self.plan.cache_salt)
             chain.extend(chain_hashes(parent, tokens[: blocks * bs], bs, len(chain)))
         return chain[:blocks]
 
@@ -407,7 +407,3 @@ class Generation:
         t.e2e_ms = c.ms("end")
         msg.timings.CopyFrom(t)
         msg.prefill_worker, msg.decode_worker = self.prefill_worker, self.decode_worker
-
-
-def plan_keys(fingerprint: bytes, prompt: list[int], block_size: int, salt: str) -> list[bytes]:
-    return prompt_block_hashes(fingerprint, prompt, block_size, salt or None)

@@ -33,9 +33,10 @@ from common.service import (
 from common.settings import env_default
 from common.status import outcome
 from common.tls import ServiceTLS, add_tls_args, setup
+from engine.block_hash import prompt_block_hashes
 from gateway.auth import ApiKey, AuthError, KeyRing, KeysFileError, Lease
 from gateway.detokenizer import RemoteDetokenizer
-from gateway.generation import Backends, Clock, Generation, GenerationError, Output, Plan, plan_keys
+from gateway.generation import Backends, Clock, Generation, GenerationError, Output, Plan
 from gateway.observe import RequestRecord, Reroutes
 from gateway.stop_strings import StopMatcher
 from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_length, validate
@@ -209,7 +210,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             check_length(valid, len(prompt), limits)
             salt = tenant.salt(request.cache_salt) if tenant is not None else request.cache_salt
             fingerprint, block_size = self.fingerprint, self.block_size
-            keys = plan_keys(fingerprint, prompt, block_size, salt)
+            keys = prompt_block_hashes(fingerprint, prompt, block_size, salt)  # "" and None: no salt alike
             stored = await self.stored_blocks(keys, record.start_route())
             plan = Plan(valid, prompt, keys, stored, salt, request.priority, block_size, fingerprint)
             async for msg in self._run(plan, request, context, clock, record):

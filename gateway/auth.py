@@ -46,15 +46,18 @@ FIELDS = {"name", "sha256", "requests_per_minute", "max_concurrent_streams", "ca
 # Tenant salts hold a NUL, which validation refuses in a client's cache_salt: a client of a share_cache key
 # cannot pick a salt that lands in another tenant's blocks.
 TENANT_SALT = "tenant\x00{}\x00{}"
+RETRY_AFTER = "retry-after"  # trailing metadata of a refusal: seconds until a retry may be admitted
+RETRY_AFTER_BUSY_S = 1.0  # the retry hint of a refusal for streams in flight (they end at their own pace)
 
 
 class AuthError(Exception):
     """Ends the call with ``code``; the message names the key's name at most, never the key."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after = retry_after  # seconds until a retry can succeed, when the refusal knows
 
 
 class KeysFileError(ValueError):
@@ -308,13 +311,13 @@ class KeyRing:
         if key.max_concurrent_streams is not None and usage.streams >= key.max_concurrent_streams:
             raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"API key {key.name!r} has {usage.streams} streams open, its limit of concurrent "
-                            f"streams is {key.max_concurrent_streams}; retry when one ends")
+                            f"streams is {key.max_concurrent_streams}; retry when one ends", RETRY_AFTER_BUSY_S)
         if key.requests_per_minute is not None:
             wait = self._bucket(usage, key.requests_per_minute).take(self.clock())
             if wait > 0:
                 raise AuthError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"API key {key.name!r} is over its rate limit of {key.requests_per_minute:g} "
-                                f"requests per minute; retry in {wait:.1f} s")
+                                f"requests per minute; retry in {wait:.1f} s", wait)
         usage.streams += 1
         return Lease(usage)
 

@@ -123,6 +123,7 @@ class Output:
         self.num_tokens = 0
         self.last_token: int | None = None
         self.cached_tokens = 0
+        self.sent_any = False
         self.finished = False
 
     async def message(self, out: cpb.TokenOutput, finish: int) -> gpb.GenerateResponse:
@@ -136,10 +137,12 @@ class Output:
         elif done:
             text += self.stop.flush()
         msg = gpb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, logprobs=out.logprobs)
+        first, self.sent_any = not self.sent_any, True
         if done:
             self.finished = True
             msg.finish_reason = finish
             msg.stop_reason = self._stop_reason(finish)
+        if done or first:  # the first: what the prompt cost is known as soon as its first token is
             msg.usage.CopyFrom(cpb.Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_tokens,
                                          cached_tokens=self.cached_tokens))
         return msg

@@ -34,7 +34,7 @@ from common.settings import env_default
 from common.status import outcome
 from common.tls import ServiceTLS, add_tls_args, setup
 from engine.block_hash import prompt_block_hashes
-from gateway.auth import ApiKey, AuthError, KeyRing, KeysFileError, Lease
+from gateway.auth import RETRY_AFTER, ApiKey, AuthError, KeyRing, KeysFileError, Lease
 from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import Backends, Clock, Generation, GenerationError, Output, Plan
 from gateway.observe import RequestRecord, Reroutes
@@ -52,6 +52,7 @@ log = logging.getLogger("tandem.gateway")
 
 MODES = ("disaggregated", "aggregated")
 CONTROL_TIMEOUT_S = 5.0
+RETRY_AFTER_FULL_S = 1.0  # the hint when the gateway is at --max-inflight
 SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
@@ -129,15 +130,16 @@ class Gateway(gpb_grpc.GatewayServicer):
         tenant: ApiKey | None = None
         lease: Lease | None = None
         try:
-            tenant = self._authenticate(context, record)
+            tenant = self.authenticate(context, record)
             lease = self.keys.admit(tenant) if tenant is not None else None
         except AuthError as exc:
-            await self._refuse(context, record, tenant, exc.code, exc.message)
+            await self._refuse(context, record, tenant, exc.code, exc.message, exc.retry_after)
         if self.inflight >= self.max_inflight:
             if lease is not None:
                 lease.release()
             await self._refuse(context, record, tenant, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
+                               f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later",
+                               RETRY_AFTER_FULL_S)
         self.inflight += 1
         code, message, last = "CANCELLED", "", None
         try:
@@ -158,7 +160,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             self._count_key(tenant, code)
             record.finish(code, message, last)
 
-    def _authenticate(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None
+    def authenticate(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None
                       ) -> ApiKey | None:
         """The caller's key (None with authentication off); AuthError when it is missing or unknown."""
         if self.keys is None:
@@ -169,8 +171,11 @@ class Gateway(gpb_grpc.GatewayServicer):
         return key
 
     async def _refuse(self, context: grpc.aio.ServicerContext, record: RequestRecord, tenant: ApiKey | None,
-                      code: grpc.StatusCode, message: str) -> None:
-        """End a Generate call before it is admitted."""
+                      code: grpc.StatusCode, message: str, retry_after: float | None = None) -> None:
+        """End a Generate call before it is admitted; ``retry_after`` (seconds) goes out as the trailing
+        metadata ``retry-after``, HTTP's Retry-After on the OpenAI-compatible front."""
+        if retry_after is not None:
+            context.set_trailing_metadata(((RETRY_AFTER, f"{retry_after:.3f}"),))
         self.finished_by_code[code.name] += 1
         self._count_key(tenant, code.name)
         record.finish(code.name, message, None)
@@ -183,7 +188,7 @@ class Gateway(gpb_grpc.GatewayServicer):
     async def _check_call(self, request: object, context: grpc.aio.ServicerContext) -> None:
         """The checks of the unary RPCs: an API key (when on; an AuthError carries its status), a message
         that parsed."""
-        self._authenticate(context)
+        self.authenticate(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
 
@@ -383,7 +388,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=env_default("--max-prompt-tokens", 0),
                    help="longest prompt in tokens a client may send (0: what the model and the KV cache take)")
     p.add_argument("--max-request-bytes", type=int, default=env_default("--max-request-bytes", MAX_REQUEST_BYTES),
-                   help="largest request message on the public port; gRPC refuses larger ones (RESOURCE_EXHAUSTED)")
+                   help="largest request message on the public ports; gRPC refuses larger ones (RESOURCE_EXHAUSTED), "
+                        "HTTP with 413")
+    g = p.add_argument_group("OpenAI-compatible HTTP API (gateway/openai_api)")
+    g.add_argument("--http-port", type=int, default=env_default("--http-port", 8000),
+                   help="port of /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+                        "(0: a free one, announced on the READY line; -1: off)")
+    g.add_argument("--http-keepalive-s", type=float, default=env_default("--http-keepalive-s", 5.0),
+                   help="a stream waits this long for its first token before it answers 200 and sends SSE "
+                        "keep-alive comments at this interval (earlier refusals keep their own HTTP status)")
+    g.add_argument("--http-stream-buffer", type=int, default=env_default("--http-stream-buffer", 1024),
+                   help="messages an HTTP client may fall behind its stream before its request is cancelled")
     add_metrics_args(p)
     add_tls_args(p, public=True)
 
@@ -398,6 +413,8 @@ def check_args(args: argparse.Namespace) -> None:
             parse_dns(entry)
         except ValueError as exc:
             raise SystemExit(f"tandem serve gateway: {exc}") from exc
+    if args.http_keepalive_s <= 0 or args.http_stream_buffer < 1:
+        raise SystemExit("tandem serve gateway: --http-keepalive-s must be > 0 and --http-stream-buffer >= 1")
     if args.discovery_interval_s <= 0:
         raise SystemExit("tandem serve gateway: --discovery-interval-s must be > 0")
     if args.mode == "disaggregated" and not (_split(args.prefill_workers) and args.kvstore):
@@ -431,14 +448,30 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
     gateway.pool.start()
     watcher = asyncio.create_task(readiness())
     stop = stop_signal()
+    http = await _start_http(gateway, args)
     extra = start_observability("gateway", args.host, server.port, args.metrics_port)
+    if http is not None:
+        extra["http"] = f"{args.host}:{http.port}"
     announce("gateway", grpc=f"{args.host}:{server.port}", mode=args.mode, **server.ready_fields(args.host), **extra)
     await stop.wait()
     watcher.cancel()
-    await gateway.drain(server, args.drain_timeout_s)
+    await gateway.drain(server, args.drain_timeout_s)  # both APIs: HTTP calls are Generate calls too
+    if http is not None:
+        await http.stop()
     await server.stop(grace=1)
     await gateway.close()
     stop_observability()
+
+
+async def _start_http(gateway: Gateway, args: argparse.Namespace):
+    """The OpenAI-compatible API on --http-port (None when -1); FastAPI is imported only when it is on."""
+    if args.http_port < 0:
+        return None
+    from gateway.openai_api.app import HttpSettings, create_app
+    from gateway.openai_api.http_server import start_http
+
+    settings = HttpSettings(args.http_keepalive_s, args.http_stream_buffer, args.max_request_bytes)
+    return await start_http(create_app(gateway, settings), args.host, args.http_port, args)
 
 
 def run(args: argparse.Namespace) -> int:

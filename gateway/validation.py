@@ -37,6 +37,10 @@ class InvalidRequest(ValueError):
     """The client's request is wrong; the message says how."""
 
 
+class UnknownModel(InvalidRequest):
+    """A model this gateway does not serve: INVALID_ARGUMENT on gRPC, 404 on the OpenAI-compatible front."""
+
+
 @dataclass(slots=True)
 class ModelLimits:
     """What the workers serve, learned from their Info."""
@@ -69,7 +73,7 @@ def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
     request_id = _request_id(req.request_id)
     if req.model and req.model != limits.model:
         shown = repr(req.model) if len(req.model) <= MAX_MODEL_CHARS else f"of {len(req.model)} characters"
-        raise InvalidRequest(f"unknown model {shown}: this gateway serves {limits.model!r}")
+        raise UnknownModel(f"unknown model {shown}: this gateway serves {limits.model!r}")
     token_ids = _input(req, limits)
     _check_sampling(req.sampling)
     try:

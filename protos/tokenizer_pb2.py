@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"7\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"S\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x16\n\x14TokenizerInfoRequest\"]\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x19\n\x11has_chat_template\x18\x02 \x01(\x08\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\"\x17\n\x15TokenizerStatsRequest\"o\n\x16TokenizerStatsResponse\x12\x16\n\x0etokenize_calls\x18\x01 \x01(\x04\x12\x1a\n\x12\x64\x65tokenize_streams\x18\x02 \x01(\x04\x12!\n\x19\x61\x63tive_detokenize_streams\x18\x03 \x01(\r2\xb8\x02\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse(\x01\x30\x01\x12I\n\x04Info\x12\x1f.tandem.v1.TokenizerInfoRequest\x1a .tandem.v1.TokenizerInfoResponse\x12L\n\x05Stats\x12 .tandem.v1.TokenizerStatsRequest\x1a!.tandem.v1.TokenizerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/tokenizer.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"7\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t\"S\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x66inish\x18\x02 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13TokenStringsRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"2\n\x14TokenStringsResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0b\n\x03raw\x18\x02 \x03(\x0c\"\x16\n\x14TokenizerInfoRequest\"]\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x19\n\x11has_chat_template\x18\x02 \x01(\x08\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\"\x17\n\x15TokenizerStatsRequest\"o\n\x16TokenizerStatsResponse\x12\x16\n\x0etokenize_calls\x18\x01 \x01(\x04\x12\x1a\n\x12\x64\x65tokenize_streams\x18\x02 \x01(\x04\x12!\n\x19\x61\x63tive_detokenize_streams\x18\x03 \x01(\r2\x89\x03\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse(\x01\x30\x01\x12O\n\x0cTokenStrings\x12\x1e.tandem.v1.TokenStringsRequest\x1a\x1f.tandem.v1.TokenStringsResponse\x12I\n\x04Info\x12\x1f.tandem.v1.TokenizerInfoRequest\x1a .tandem.v1.TokenizerInfoResponse\x12L\n\x05Stats\x12 .tandem.v1.TokenizerStatsRequest\x1a!.tandem.v1.TokenizerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,14 +43,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETOKENIZEREQUEST']._serialized_end=426
   _globals['_DETOKENIZERESPONSE']._serialized_start=428
   _globals['_DETOKENIZERESPONSE']._serialized_end=462
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=464
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=486
-  _globals['_TOKENIZERINFORESPONSE']._serialized_start=488
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=581
-  _globals['_TOKENIZERSTATSREQUEST']._serialized_start=583
-  _globals['_TOKENIZERSTATSREQUEST']._serialized_end=606
-  _globals['_TOKENIZERSTATSRESPONSE']._serialized_start=608
-  _globals['_TOKENIZERSTATSRESPONSE']._serialized_end=719
-  _globals['_TOKENIZER']._serialized_start=722
-  _globals['_TOKENIZER']._serialized_end=1034
+  _globals['_TOKENSTRINGSREQUEST']._serialized_start=464
+  _globals['_TOKENSTRINGSREQUEST']._serialized_end=504
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_start=506
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_end=556
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=558
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=580
+  _globals['_TOKENIZERINFORESPONSE']._serialized_start=582
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=675
+  _globals['_TOKENIZERSTATSREQUEST']._serialized_start=677
+  _globals['_TOKENIZERSTATSREQUEST']._serialized_end=700
+  _globals['_TOKENIZERSTATSRESPONSE']._serialized_start=702
+  _globals['_TOKENIZERSTATSRESPONSE']._serialized_end=813
+  _globals['_TOKENIZER']._serialized_start=816
+  _globals['_TOKENIZER']._serialized_end=1209
 # @@protoc_insertion_point(module_scope)

@@ -56,6 +56,20 @@ class DetokenizeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class TokenStringsRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenStringsResponse(_message.Message):
+    __slots__ = ("texts", "raw")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    raw: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., raw: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class TokenizerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

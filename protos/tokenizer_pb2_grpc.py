@@ -44,6 +44,11 @@ class TokenizerStub:
                 request_serializer=protos_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenStrings = channel.unary_unary(
+                '/tandem.v1.Tokenizer/TokenStrings',
+                request_serializer=protos_dot_tokenizer__pb2.TokenStringsRequest.SerializeToString,
+                response_deserializer=protos_dot_tokenizer__pb2.TokenStringsResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/tandem.v1.Tokenizer/Info',
                 request_serializer=protos_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
@@ -75,6 +80,13 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenStrings(self, request, context):
+        """Each token id's own text and bytes, as log probabilities name tokens (the HTTP front's `logprobs`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """The tokenizer's facts the gateway needs.
         """
@@ -100,6 +112,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'TokenStrings': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenStrings,
+                    request_deserializer=protos_dot_tokenizer__pb2.TokenStringsRequest.FromString,
+                    response_serializer=protos_dot_tokenizer__pb2.TokenStringsResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -166,6 +183,33 @@ class Tokenizer:
             '/tandem.v1.Tokenizer/Detokenize',
             protos_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_tokenizer__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenStrings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tokenizer/TokenStrings',
+            protos_dot_tokenizer__pb2.TokenStringsRequest.SerializeToString,
+            protos_dot_tokenizer__pb2.TokenStringsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -173,6 +173,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="address every service binds")
     p.add_argument("--port", type=int, default=env_default("--port", None, int),
                    help="the gateway's port (default 50051; with --generate a free one; 0: a free one)")
+    p.add_argument("--http-port", type=int, default=env_default("--http-port", None, int),
+                   help="the gateway's OpenAI-compatible HTTP API (default 8000; with --generate a free one; "
+                        "0: a free one; -1: off)")
     p.add_argument("--kv-capacity-gb", type=float, default=env_default("--kv-capacity-gb", 1.0),
                    help="the kvstore's block pool")
     p.add_argument("--redis-url", default=env_default("--redis-url", None, str),
@@ -216,10 +219,11 @@ def _cluster_config(args: argparse.Namespace):
     from tandem.launcher import ClusterConfig
 
     port = args.port if args.port is not None else (0 if args.generate else 50051)
+    http_port = args.http_port if args.http_port is not None else (0 if args.generate else 8000)
     extra = {kind: shlex.split(getattr(args, f"{kind}_args")) for kind in
              ("kvstore", "tokenizer", "prefill", "decode", "gateway")}
     return ClusterConfig(mode=args.mode, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
-                         host=args.host, gateway_port=port, engine_args=engine_flags(args),
+                         host=args.host, gateway_port=port, http_port=http_port, engine_args=engine_flags(args),
                          kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis_url,
                          extra_args={k: v for k, v in extra.items() if v}, log_dir=args.log_dir,
                          startup_timeout=args.startup_timeout, tls=args.tls)
@@ -243,7 +247,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     with cluster:
         print(format_table(cluster), file=out)
-        print(f"ready in {time.perf_counter() - start:.1f} s; gateway at {cluster.gateway.address}", file=out,
+        http = f", OpenAI-compatible API at {cluster.http_url}" if "http" in cluster.gateway.ready else ""
+        print(f"ready in {time.perf_counter() - start:.1f} s; gateway at {cluster.gateway.address}{http}", file=out,
               flush=True)
         if cluster.ca_path is not None:
             print(f"TLS: services use mutual TLS, the gateway TLS; its CA is {cluster.ca_path}\n"

@@ -228,6 +228,7 @@ class ClusterConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"
     gateway_port: int = 50051  # 0: a free port
+    http_port: int = 0  # the gateway's OpenAI-compatible API (0: a free port, -1: off); `tandem up`: 8000
     engine_args: list[str] = field(default_factory=list)
     kv_capacity_gb: float = 1.0
     redis_url: str | None = None
@@ -338,6 +339,14 @@ class Cluster:
         """The CA a client of this cluster's gateway trusts (``tandem generate --tls-ca``); None without TLS."""
         return self.ca.ca_path if self.ca else None
 
+    @property
+    def http_url(self) -> str:
+        """The base URL of the gateway's OpenAI-compatible API (``.../v1``)."""
+        if self.gateway is None or "http" not in self.gateway.ready:
+            raise LaunchError("the gateway serves no HTTP API (not started, or --http-port -1)")
+        scheme = "https" if self.ca is not None else "http"
+        return f"{scheme}://{self.gateway.ready['http']}/v1"
+
     def client_tls(self) -> ClientTLS | None:
         """How a client reaches the gateway's public port: TLS trusting the cluster's CA (None without TLS)."""
         if self.ca is None:
@@ -379,7 +388,8 @@ class Cluster:
     def gateway_spec(self) -> ServiceSpec:
         assert self.tokenizer is not None and self.decode, "the gateway starts after the tokenizer and workers"
         argv = ["-m", "gateway.server", *self._listen(self.config.gateway_port), "--tokenizer", self.tokenizer.address,
-                "--mode", self.config.mode, "--decode-workers", ",".join(s.address for s in self.decode)]
+                "--mode", self.config.mode, "--decode-workers", ",".join(s.address for s in self.decode),
+                "--http-port", str(self.config.http_port)]
         if self.config.disaggregated:
             assert self.kvstore is not None
             argv += ["--prefill-workers", ",".join(s.address for s in self.prefill), "--kvstore", self.kvstore.address]
@@ -467,6 +477,8 @@ class Cluster:
                 svc.stop()
             argv = list(svc.spec.argv)
             argv[argv.index("--port") + 1] = svc.address.rsplit(":", 1)[1]
+            if "http" in svc.ready:  # the gateway's HTTP port too: clients know it
+                argv[argv.index("--http-port") + 1] = svc.ready["http"].rsplit(":", 1)[1]
             fresh.append(self._spawn(ServiceSpec(svc.name, svc.kind, argv)))
         try:
             self._wait_ready(fresh, self.config.startup_timeout if timeout is None else timeout)

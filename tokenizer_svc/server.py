@@ -44,6 +44,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # Below these sizes a thread hop costs more than the work itself: run inline on the event loop.
 INLINE_CHARS = 4096
 INLINE_IDS = 1024
+MAX_TOKEN_STRINGS = 4096
 # A caller's mistake is a TokenizerInputError (a ValueError: INVALID_ARGUMENT); anything else is a bug here.
 STATUSES = DEFAULT_STATUSES.extend({Exception: internal("tokenizer service bug; see its log")})
 
@@ -91,6 +92,16 @@ class TokenizerService(pb_grpc.TokenizerServicer):
         finally:  # gRPC ends the requests or cancels this handler at its await when the client goes away
             self.counters.active_detokenize_streams -= 1
             METRICS.active.dec()
+
+    async def TokenStrings(
+        self, request: pb.TokenStringsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenStringsResponse:
+        ids = list(request.token_ids)
+        if len(ids) > MAX_TOKEN_STRINGS:
+            raise TokenizerInputError(f"at most {MAX_TOKEN_STRINGS} token ids per call, not {len(ids)}")
+        self.tokenizer.check_ids(ids)
+        tok = self.tokenizer
+        return pb.TokenStringsResponse(texts=[tok.token_text(i) for i in ids], raw=[tok.token_bytes(i) for i in ids])
 
     async def Info(
         self, request: pb.TokenizerInfoRequest, context: grpc.aio.ServicerContext

@@ -69,6 +69,7 @@ class TextTokenizer:
         self.eos_token_ids = self._eos_token_ids(path)
         self.byte_fallback_ids = _byte_fallback_ids(self._tok, vocab)
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._byte_level = self._tok.decoder is not None and b'"ByteLevel"' in self._tok.decoder.__getstate__()
 
     @property
     def has_chat_template(self) -> bool:
@@ -83,6 +84,22 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One id decoded alone, special tokens kept: how log probabilities name a token."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for: a piece of a UTF-8 character stays the piece (its text is U+FFFD),
+        which is what OpenAI's ``bytes`` field is for."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None or token_id in self.special_ids:
+            return self.token_text(token_id).encode()
+        if token_id in self.byte_fallback_ids:
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.token_text(token_id).encode()
 
     def check_ids(self, ids: Sequence[int]) -> None:
         """Refuse ids neither the tokenizer nor the model has: the tokenizer would silently drop them."""
@@ -149,6 +166,22 @@ class TextTokenizer:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _byte_fallback_ids(tok: Tokenizer, vocab: dict[str, int]) -> frozenset[int]:

@@ -75,10 +75,19 @@ def from_exception(exc: BaseException, retry_after: float | None = None) -> ApiE
 
 def from_validation(exc: ValidationError) -> ApiError:
     """A body of the wrong shape: 400 naming the first field that is wrong."""
-    first = exc.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    where = f"`{param}`: " if param else ""
-    return ApiError(400, f"{where}{first['msg']}", "invalid_request_error", param)
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
+    if param is not None and sum(1 for e in errors if e["loc"][:1] == first["loc"][:1]) > 1:
+        message = f"`{param}` has none of the types it may have ({first['msg'].lower()}, ...)"
+    else:
+        message = f"`{param}`: {first['msg']}" if param else first["msg"]
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def _union_member(part: object) -> bool:
+    """pydantic names the member of a union it tried (``str``, ``list[int]``) in an error's location."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
 import yaml
 
@@ -32,8 +34,10 @@ KEYS = {
     "one-stream": "tdm_e2e-one-stream-key-0f9e8d7c6b5a4f3e2d1c",
     "shared-1": "tdm_e2e-shared-one-key-2e4f6a8c0b1d3f5a7c9e",
     "shared-2": "tdm_e2e-shared-two-key-3f5a7c9e1b2d4f6a8c0e",
+    "http-limited": "tdm_e2e-http-limited-key-6d4b2f0e8c6a4e2c0a8e",
 }
 EXTRA = {"limited": {"requests_per_minute": 3}, "one-stream": {"max_concurrent_streams": 1},
+         "http-limited": {"requests_per_minute": 1},
          "shared-1": {"share_cache": True}, "shared-2": {"share_cache": True}}
 LATE_KEY = "tdm_e2e-late-key-9d8c7b6a5f4e3d2c1b0a"
 PROMPT = list(range(1000, 1064))  # four full blocks of 16 tokens
@@ -189,3 +193,21 @@ def test_bench_serve_sends_the_key(cluster, tmp_path: Path):
     (result,) = tmp_path.glob("serve-auth-*.json")
     (run,) = json.loads(result.read_text())["runs"]
     assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (2, 0)
+
+
+def test_the_http_api_takes_the_same_keys_401_and_429_with_retry_after(cluster):
+    c, _ = cluster
+    anonymous = httpx.post(f"{c.http_url}/completions", json={"prompt": PROMPT[:8], "max_tokens": 1})
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+    wrong = openai.OpenAI(base_url=c.http_url, api_key="tdm_not-a-key", max_retries=0)
+    for attempt in (lambda: wrong.models.list(), lambda: wrong.completions.create(model="", prompt=PROMPT[:8])):
+        with pytest.raises(openai.AuthenticationError) as info:
+            attempt()
+        assert info.value.status_code == 401 and "tdm_not-a-key" not in info.value.message
+    limited = openai.OpenAI(base_url=c.http_url, api_key=KEYS["http-limited"], max_retries=0)
+    assert limited.completions.create(model="", prompt=PROMPT[:8], max_tokens=1).usage.completion_tokens == 1
+    for stream in (False, True):  # a stream is refused before its headers too, with the same status
+        with pytest.raises(openai.RateLimitError) as info:
+            limited.completions.create(model="", prompt=PROMPT[:8], max_tokens=1, stream=stream)
+        assert info.value.status_code == 429 and "'http-limited' is over its rate limit" in info.value.message
+        assert 1 <= int(info.value.response.headers["retry-after"]) <= 60

@@ -78,3 +78,16 @@ def test_a_shared_prefix_workload_hits_the_prefix_cache(cluster, tmp_path: Path)
     assert m["completed"] == 6
     # The first request computes the 64-token system prompt; the other five find its 4 blocks cached.
     assert m["prefix_cache_hit_rate"] == pytest.approx(5 * 64 / (6 * 80))
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_bench_serve_speaks_openai_to_the_gateways_http_front(cluster, tmp_path: Path, path: str):
+    argv = ["bench", "serve", "--backend", "openai", "--url", f"{cluster.http_url}/{path}", "--output-dir",
+            str(tmp_path), "--num-warmups", "1", "--label", "e2e", "--num-prompts", "4", "--input-len", "32",
+            "--output-len", "6", "--max-concurrency", "2", "--no-plots", "--no-progress"]
+    assert main(argv) == 0
+    (result,) = tmp_path.glob("serve-e2e-*.json")
+    m = json.loads(result.read_text())["runs"][0]["metrics"]
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 24)
+    assert m["total_input_tokens"] >= 4 * 32  # as the server counted them: the chat template adds its own
+    assert 0 < m["ttft_ms"]["median"] and 0 < m["itl_ms"]["median"]

@@ -60,6 +60,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "api-keys": {"gateway": {"apiKeys": {"existingSecret": "tandem-api-keys", "secretKey": "keys.json"},
                              "maxPromptTokens": 4096},
                  "tests": {"apiKeySecret": "tandem-test-key"}},
+    "http-off": {"gateway": {"http": {"enabled": False}}},
+    "http-nodeport": {"gateway": {"service": {"type": "NodePort", "nodePort": 30051, "httpPort": 80,
+                                              "httpNodePort": 30080},
+                                  "http": {"port": 8080, "keepaliveS": 0.5, "streamBuffer": 64}}},
 }
 
 
@@ -199,6 +203,12 @@ def test_values_schema_rejects_mistakes():
         ({"redis": {"enabled": False, "externalUrl": "redis-master:6379"}}, "externalUrl"),
         ({"decode": {"rollingUpdate": {"maxSurge": "one"}}}, "maxSurge"),
         ({"gateway": {"discoveryIntervalS": 0}}, "discoveryIntervalS"),
+        ({"gateway": {"http": {"port": 0}}}, "http/port"),  # 0 would be a random port
+        ({"gateway": {"http": {"port": "8000"}}}, "http/port"),
+        ({"gateway": {"http": {"keepaliveS": 0}}}, "keepaliveS"),
+        ({"gateway": {"http": {"streamBuffer": 0}}}, "streamBuffer"),
+        ({"gateway": {"http": {"enable": False}}}, "enable"),
+        ({"gateway": {"service": {"httpPort": 70000}}}, "httpPort"),
     ]:
         with pytest.raises(helm.HelmError, match=message):
             render(values)
@@ -210,10 +220,15 @@ def test_impossible_layouts_fail_with_an_explanation():
         ({"decode": {"engine": {"dtype": "float32"}}}, "same engine dtype and blockSize"),
         ({"prefill": {"replicas": 0}}, "prefill.replicas"),
         ({"prefill": {"rollingUpdate": {"maxSurge": 0}}}, "maxSurge and maxUnavailable cannot both be 0"),
+        ({"gateway": {"http": {"port": 9090}}}, "gateway.http.port 9090 is already a port of the gateway container"),
+        ({"gateway": {"http": {"port": 50051}}}, "gateway.http.port 50051 is already a port"),
+        ({"tls": {"public": {"secretName": "gw"}, "healthPort": 8000}}, "gateway.http.port 8000 is already a port"),
+        ({"gateway": {"service": {"httpPort": 50051}}}, "gateway.service.httpPort 50051 is already a port"),
     ]:
         with pytest.raises(helm.HelmError, match=message):
             render(values)
     render({"mode": "aggregated", "prefill": {"replicas": 0}, "redis": {"enabled": False}})  # nothing to check there
+    render({"gateway": {"http": {"enabled": False, "port": 9090}}})  # an API that is off takes no port
 
 
 # ---- the facts that matter -------------------------------------------------------------------------------------
@@ -640,3 +655,67 @@ def test_api_keys_from_a_secret(rendered):
     [test_pod] = kind(objects, "Pod")  # `helm test` sends a key of its own, from another Secret
     [key_env] = [e for e in test_pod["spec"]["containers"][0]["env"] if e["name"] == "TANDEM_API_KEY"]
     assert key_env["valueFrom"]["secretKeyRef"] == {"name": "tandem-test-key", "key": "key"}
+
+
+def test_openai_http_api_on_the_gateway(rendered):
+    """The OpenAI-compatible HTTP API the gateway serves beside gRPC: TANDEM_HTTP_PORT is the container port
+    `http`, which the gateway Service exposes; disabled, the gateway is told -1 (off, not a random port: 0 would
+    be one) and no port is rendered. The probes stay on gRPC, and no other component gets any of it."""
+    objects = rendered["default"]
+    env = env_of(objects, "gateway")
+    c = main_container(workload(objects, "gateway"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert env["TANDEM_HTTP_PORT"] == "8000" and ports["http"] == 8000
+    assert env["TANDEM_HTTP_KEEPALIVE_S"] == "5" and env["TANDEM_HTTP_STREAM_BUFFER"] == "1024"
+    service = by_name(objects, "Service")["demo-tandem-gateway"]
+    [http] = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert http == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    _, target = resolve(objects, f"demo-tandem-gateway{SUFFIX}:8000")
+    assert component(target) == "gateway"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == 50051, probe
+    for w in workloads(objects):
+        if component(w) != "gateway":
+            assert not [k for k in container_env(objects, main_container(w)) if k.startswith("TANDEM_HTTP")]
+            assert "http" not in {p["name"] for p in main_container(w).get("ports", [])}
+    # HTTPS through the public port's flags: the same TANDEM_TLS_* the gateway already reads
+    tls = env_of(rendered["tls"], "gateway")
+    assert tls["TANDEM_HTTP_PORT"] == "8000" and tls["TANDEM_TLS_CERT"].endswith("/public/tls.crt")
+
+    off = rendered["http-off"]
+    assert env_of(off, "gateway")["TANDEM_HTTP_PORT"] == "-1"
+    assert "http" not in {p["name"] for p in main_container(workload(off, "gateway"))["ports"]}
+    assert "http" not in {p["name"] for p in by_name(off, "Service")["demo-tandem-gateway"]["spec"]["ports"]}
+    checksum = "checksum/config"  # turning it on or off rolls the gateways
+    assert workload(off, "gateway")["spec"]["template"]["metadata"]["annotations"][checksum] != \
+        workload(objects, "gateway")["spec"]["template"]["metadata"]["annotations"][checksum]
+
+    custom = rendered["http-nodeport"]
+    env = env_of(custom, "gateway")
+    assert (env["TANDEM_HTTP_PORT"], env["TANDEM_HTTP_KEEPALIVE_S"], env["TANDEM_HTTP_STREAM_BUFFER"]) == \
+        ("8080", "0.5", "64")
+    service = by_name(custom, "Service")["demo-tandem-gateway"]
+    [http] = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert http == {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP", "nodePort": 30080}
+    _, target = resolve(custom, f"demo-tandem-gateway{SUFFIX}:80")
+    ports = {p["name"]: p["containerPort"] for p in main_container(target)["ports"]}
+    assert ports["http"] == 8080
+
+
+def test_notes_show_the_http_api():
+    def notes(values: dict[str, Any]) -> str:
+        with helm.Chart.load(CHART) as chart:
+            manifests = chart.render(values=copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE,
+                                     is_install=True)
+        return manifests["tandem/templates/NOTES.txt"]
+
+    text = notes({})
+    assert "port-forward svc/demo-tandem-gateway 8000:8000" in text
+    assert "curl http://127.0.0.1:8000/v1/models" in text
+    assert 'curl -H "Authorization: Bearer $TANDEM_API_KEY" http://127.0.0.1:8000/v1/models' in notes(
+        {"gateway": {"apiKeys": {"existingSecret": "tandem-api-keys"}}})
+    tls = notes(VALUE_SETS["tls"])
+    assert "--cacert ca.crt --cert client.crt --key client.key" in tls
+    assert "https://llm.example.com:8000/v1/models" in tls
+    off = notes(VALUE_SETS["http-off"])
+    assert "/v1/models" not in off and "8000" not in off

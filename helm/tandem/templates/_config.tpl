@@ -23,6 +23,10 @@ TANDEM_MAX_INFLIGHT: {{ include "tandem.scalar" .Values.gateway.maxInflight | qu
 TANDEM_PROBE_INTERVAL_S: {{ include "tandem.scalar" .Values.gateway.probeIntervalS | quote }}
 TANDEM_MAX_PROMPT_TOKENS: {{ include "tandem.scalar" .Values.gateway.maxPromptTokens | quote }}
 TANDEM_MAX_REQUEST_BYTES: {{ include "tandem.scalar" .Values.gateway.maxRequestBytes | quote }}
+{{- /* -1: off, not a random port (0 would be one) */}}
+TANDEM_HTTP_PORT: {{ include "tandem.scalar" (ternary .Values.gateway.http.port -1 .Values.gateway.http.enabled) | quote }}
+TANDEM_HTTP_KEEPALIVE_S: {{ include "tandem.scalar" .Values.gateway.http.keepaliveS | quote }}
+TANDEM_HTTP_STREAM_BUFFER: {{ include "tandem.scalar" .Values.gateway.http.streamBuffer | quote }}
 {{- if .Values.gateway.apiKeys.existingSecret }}
 TANDEM_API_KEYS_FILE: {{ printf "/etc/tandem/api-keys/%s" .Values.gateway.apiKeys.secretKey | quote }}
 {{- end }}

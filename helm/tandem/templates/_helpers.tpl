@@ -580,6 +580,20 @@ TANDEM_HEALTH_PORT: {{ $t.healthPort | quote }}
 {{- fail (printf "%s.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (a rollout could replace no pod)" $component) -}}
 {{- end -}}
 {{- end -}}
+{{- $g := .Values.gateway -}}
+{{- if $g.http.enabled -}}
+{{- $taken := list (toString $g.port) -}}
+{{- if .Values.metrics.enabled }}{{ $taken = append $taken (toString .Values.metrics.port) }}{{ end -}}
+{{- if include "tandem.tls.server" (dict "root" . "component" "gateway") }}{{ $taken = append $taken (toString .Values.tls.healthPort) }}{{ end -}}
+{{- if has (toString $g.http.port) $taken -}}
+{{- fail (printf "gateway.http.port %v is already a port of the gateway container (gateway.port, metrics.port or tls.healthPort)" $g.http.port) -}}
+{{- end -}}
+{{- $servicePorts := list (toString $g.service.port) -}}
+{{- if .Values.metrics.enabled }}{{ $servicePorts = append $servicePorts (toString .Values.metrics.port) }}{{ end -}}
+{{- if has (toString $g.service.httpPort) $servicePorts -}}
+{{- fail (printf "gateway.service.httpPort %v is already a port of the gateway Service (gateway.service.port or metrics.port)" $g.service.httpPort) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.tls.public.clientCASecretName (not .Values.tls.public.secretName) -}}
 {{- fail "tls.public.clientCASecretName needs tls.public.secretName: client certificates are asked for over TLS" -}}
 {{- end -}}

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -21,18 +20,15 @@ from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import GenerationError
 from gateway.openai_api.context import HttpCallContext
 from gateway.openai_api.convert import Plan, chat_plan, completion_plan
+from gateway.openai_api.core import GatewayCore
 from gateway.openai_api.errors import ApiError, from_exception, from_status, too_large
 from gateway.openai_api.exchange import Exchange
 from gateway.openai_api.fanout import Fanout
+from gateway.openai_api.observe import HTTP_REQUESTS, HttpRecord
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.render import Render
 from gateway.openai_api.token_names import TokenNames
 
-if TYPE_CHECKING:
-    from gateway.server import Gateway
-
-HTTP_REQUESTS = Counter("tandem_http_requests", "Requests to the OpenAI-compatible HTTP API, by route and status",
-                        ["route", "status"])
 ECHO_TIMEOUT_S = 5.0
 
 
@@ -44,7 +40,7 @@ class HttpSettings:
 
 
 class OpenAIFront:
-    def __init__(self, gateway: Gateway, settings: HttpSettings) -> None:
+    def __init__(self, gateway: GatewayCore, settings: HttpSettings) -> None:
         self.gateway = gateway
         self.settings = settings
         self.names = TokenNames(gateway.tokenizer)
@@ -60,13 +56,13 @@ class OpenAIFront:
             echoes = await self._echoes(plan, request)
         except Exception as exc:
             return _error(route, from_exception(exc))
-        fanout = Fanout(self.gateway, plan.choices, list(request.headers.items()), self.settings.stream_buffer)
+        record = HttpRecord(route, request.headers.items(), len(plan.choices))
+        fanout = Fanout(self.gateway, plan.choices, record.headers, self.settings.stream_buffer)
         limits = self.gateway.limits()
         model = limits.model if limits is not None else ""
         fingerprint = f"fp_{self.gateway.fingerprint.hex()[:12]}" if limits is not None else ""
         render = Render(plan, kind, model, fingerprint, self.names if plan.logprobs is not None else None)
-        return AsgiResponse(Exchange(plan, fanout, render, echoes, self.settings.keepalive_s,
-                                     lambda status: HTTP_REQUESTS.labels(route, str(status)).inc()))
+        return AsgiResponse(Exchange(plan, fanout, render, echoes, self.settings.keepalive_s, record))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -120,7 +116,7 @@ class AsgiResponse(Response):
         await self.app(scope, receive, send)
 
 
-def create_app(gateway: Gateway, settings: HttpSettings | None = None) -> FastAPI:
+def create_app(gateway: GatewayCore, settings: HttpSettings | None = None) -> FastAPI:
     front = OpenAIFront(gateway, settings or HttpSettings())
     app = FastAPI(title="tandem", summary="OpenAI-compatible API of a tandem gateway", docs_url=None,
                   redoc_url=None)

@@ -92,6 +92,7 @@ def _plan(rid: str, choices: list[Choice], body: SamplingFields, logprobs: int |
 
 
 def _request(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> gpb.GenerateRequest:
+    _check_ids(body.stop_token_ids or [], "stop_token_ids")
     s = cpb.SamplingParams(ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [])
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
@@ -103,7 +104,6 @@ def _request(body: SamplingFields, max_tokens: int | None, logprobs: int | None)
         s.max_tokens = max_tokens
     if logprobs is not None:
         s.logprobs = logprobs
-    _check_ids(body.stop_token_ids or [], "stop_token_ids")
     return gpb.GenerateRequest(
         model=body.model or "", sampling=s, stop=body.stop_list,
         include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt or "",

@@ -75,10 +75,9 @@ def from_exception(exc: BaseException, retry_after: float | None = None) -> ApiE
 
 def from_validation(exc: ValidationError) -> ApiError:
     """A body of the wrong shape: 400 naming the first field that is wrong."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
+    first = exc.errors(include_url=False)[0]
     param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
-    if param is not None and sum(1 for e in errors if e["loc"][:1] == first["loc"][:1]) > 1:
+    if any(_union_member(p) for p in first["loc"]):
         message = f"`{param}` has none of the types it may have ({first['msg'].lower()}, ...)"
     else:
         message = f"`{param}`: {first['msg']}" if param else first["msg"]

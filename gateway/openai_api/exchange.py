@@ -21,6 +21,7 @@ from typing import Any
 from gateway.openai_api.convert import Plan
 from gateway.openai_api.errors import ApiError, from_exception
 from gateway.openai_api.fanout import Event, Fanout
+from gateway.openai_api.observe import HttpRecord
 from gateway.openai_api.render import Render
 
 Scope = MutableMapping[str, Any]
@@ -35,13 +36,13 @@ DONE = b"data: [DONE]\n\n"
 
 class Exchange:
     def __init__(self, plan: Plan, fanout: Fanout, render: Render, echoes: dict[int, str], keepalive_s: float,
-                 on_status: Callable[[int], None]) -> None:
+                 record: HttpRecord) -> None:
         self.plan = plan
         self.fanout = fanout
         self.render = render
         self.echoes = echoes
         self.keepalive_s = keepalive_s
-        self.on_status = on_status  # counts the response's status (the http metrics)
+        self.record = record  # the request's span and its count by status
         self.started = False  # the response's headers are out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -51,12 +52,13 @@ class Exchange:
         try:
             await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
             if not answer.done():
-                self.on_status(499)  # nginx's "client closed request": the status nobody is left to see
+                self.record.status(499)  # nginx's "client closed request": the status nobody is left to see
         finally:
             for task in (answer, gone):
                 task.cancel()
             await asyncio.gather(answer, gone, return_exceptions=True)
             await self.fanout.close()
+            self.record.end()
 
     async def _answer(self, send: Send) -> None:
         try:
@@ -70,7 +72,7 @@ class Exchange:
                 await _write(send, _event(error.body()) + DONE, more=False)
             else:
                 await send_json(send, error.status, error.body(), error.headers())
-            self.on_status(error.status)
+            self.record.status(error.status)
 
     async def _whole(self, send: Send) -> None:
         while self.fanout.pending:
@@ -80,7 +82,7 @@ class Exchange:
                 state = await self.render.absorb(event.index, event.message)
                 self.render.keep(state, event.message)
         await send_json(send, 200, self.render.response(self.echoes))
-        self.on_status(200)
+        self.record.status(200)
 
     async def _stream(self, send: Send) -> None:
         first = await self.fanout.next(self.keepalive_s)
@@ -103,7 +105,7 @@ class Exchange:
             self._raise(event)
         tail = _event(self.render.usage_chunk()) if self.plan.include_usage else b""
         await _write(send, tail + DONE, more=False)
-        self.on_status(200)
+        self.record.status(200)
 
     def _raise(self, event: Event | None) -> None:
         if event is not None and event.error is not None:

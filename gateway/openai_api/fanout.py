@@ -16,16 +16,13 @@ import collections
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
 from gateway.openai_api.context import HttpCallContext
 from gateway.openai_api.convert import Choice
+from gateway.openai_api.core import GatewayCore
 from protos import gateway_pb2 as gpb
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 
 class SlowReader(Exception):
@@ -46,7 +43,7 @@ class Event:
 
 
 class Fanout:
-    def __init__(self, gateway: Gateway, choices: Sequence[Choice], headers: Sequence[tuple[str, str]],
+    def __init__(self, gateway: GatewayCore, choices: Sequence[Choice], headers: Sequence[tuple[str, str]],
                  buffer: int) -> None:
         self._gateway = gateway
         self._headers = list(headers)
@@ -74,7 +71,7 @@ class Fanout:
             self._ready.clear()
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # noqa: UP041 (not the builtin before Python 3.11)
                 return None
         event = self._events.popleft()
         if event.error is not None or event.message is None:

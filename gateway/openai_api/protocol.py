@@ -34,7 +34,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM: -1 or 0 is every token
+    top_k: int | None = Field(None, ge=-(2**31), lt=2**31)  # vLLM: -1 or 0 is every token
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -59,7 +59,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's and vLLM's default for completions
+    max_tokens: int | None = Field(16, ge=0, lt=2**32)  # OpenAI's and vLLM's default for completions
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -83,8 +83,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, lt=2**32)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=0, lt=2**32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True

@@ -167,6 +167,6 @@ def _stop_reason(msg: gpb.GenerateResponse) -> str | int | None:
     reason = msg.stop_reason
     if not reason:
         return None
-    if reason.isdigit() and msg.token_ids and msg.token_ids[-1] == int(reason):
+    if reason.isascii() and reason.isdigit() and msg.token_ids and msg.token_ids[-1] == int(reason):
         return int(reason)  # a stop token id (a stop string that is the last token's digits reads the same)
     return reason

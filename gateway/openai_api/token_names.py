@@ -18,6 +18,7 @@ from protos import tokenizer_pb2_grpc as tpb_grpc
 
 MAX_ENTRIES = 262_144
 TIMEOUT_S = 5.0
+MAX_IDS_PER_CALL = 4096  # tokenizer_svc's limit per TokenStrings call
 
 
 class TokenNames:
@@ -30,14 +31,16 @@ class TokenNames:
         missing = sorted({i for i in ids if i not in self._known})
         if not missing:
             return
-        try:
-            res = await self._stub.TokenStrings(tpb.TokenStringsRequest(token_ids=missing), timeout=TIMEOUT_S,
-                                                metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {exc.details()}") from exc
         if len(self._known) + len(missing) > MAX_ENTRIES:
             self._known.clear()
-        self._known.update(zip(missing, zip(res.texts, res.raw, strict=True), strict=True))
+        for start in range(0, len(missing), MAX_IDS_PER_CALL):
+            ids = missing[start:start + MAX_IDS_PER_CALL]
+            try:
+                res = await self._stub.TokenStrings(tpb.TokenStringsRequest(token_ids=ids), timeout=TIMEOUT_S,
+                                                    metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {exc.details()}") from exc
+            self._known.update(zip(ids, zip(res.texts, res.raw, strict=True), strict=True))
 
     def text(self, token_id: int) -> str:
         return self._known[token_id][0]

@@ -4,6 +4,7 @@ service's Prometheus /metrics scraped and parsed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 from collections import Counter
@@ -190,3 +191,18 @@ def test_every_service_serves_metrics_and_the_histograms_move(cluster):
     assert moved("kvstore", "tandem_kvstore_lookups", "tandem_kvstore_lookups_total") >= 2
     assert moved("kvstore", "tandem_kvstore_bytes_in", "tandem_kvstore_bytes_in_total") > 0
     assert value(after["kvstore"], "tandem_kvstore_blocks", "tandem_kvstore_blocks", state="stored") > 0
+
+
+def test_an_http_request_with_two_choices_is_one_trace(cluster, receiver):
+    _, rec = receiver
+    body = json.dumps({"prompt": "Name three rivers.", "n": 2, "max_tokens": 4, "request_id": "http-traced"})
+    req = urllib.request.Request(f"{cluster.http_url}/completions", body.encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as res:
+        assert len(json.loads(res.read())["choices"]) == 2
+    spans = trace_of(rec, "http-traced-0", {"POST /v1/completions", "decode.stream"})
+    (http,) = [s for s in spans if s["name"] == "POST /v1/completions"]
+    generates = [s for s in spans if s["name"] == "gateway.generate"]
+    assert sorted(s["attributes"]["tandem.request_id"] for s in generates) == ["http-traced-0", "http-traced-1"]
+    assert all(s["parent_span_id"] == http["span_id"] for s in generates)
+    assert http["attributes"]["http.response.status_code"] == 200

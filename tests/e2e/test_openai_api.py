@@ -8,7 +8,12 @@ The referee for content is the gateway's own gRPC API: greedy text over HTTP equ
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from common.paths import tandem_home
 from protos import gateway_pb2 as gpb
 from tandem.launcher import Cluster
 from tests.e2e.pipeline import (
@@ -264,6 +270,48 @@ def test_metrics_and_health_on_the_http_port(client, cluster):
     assert 'tandem_http_requests_total{route="/v1/completions",status="200"}' in metrics
     assert "tandem_time_to_first_token_seconds" in metrics  # the gateway's own: HTTP requests are counted there
     assert httpx.get(f"{root(cluster)}/health").json() == {"status": "ok"}
+
+
+# -- a third-party load tool ------------------------------------------------------------------------------
+
+AIPERF = "aiperf==0.13.0"  # NVIDIA's (Dynamo's) load generator; its own venv: it pins pandas, transformers, ...
+
+
+@pytest.fixture(scope="module")
+def aiperf() -> Path:
+    """AIPerf in a venv of its own under $TANDEM_HOME/tools, built once per machine (about two minutes)."""
+    venv = tandem_home() / "tools" / AIPERF.replace("==", "-")
+    exe = venv / "bin" / "aiperf"
+    if not exe.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", AIPERF], check=True, timeout=900)
+    return exe
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_aiperf_runs_against_the_http_front_without_errors(cluster, aiperf, default_model, tmp_path, endpoint):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}  # with
+    # either set, it takes a local tokenizer folder for a hub repo id and fails
+    scratch = tempfile.mkdtemp(prefix="aiperf-", dir="/tmp")  # its IPC socket paths must fit in 107 bytes
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TMPDIR=scratch)
+    out = tmp_path / "report"
+    cmd = [str(aiperf), "profile", "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(default_model),
+           "--url", root(cluster), "--endpoint-type", endpoint, "--streaming", "--concurrency", "2",
+           "--request-count", "6", "--synthetic-input-tokens-mean", "32", "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--random-seed", "0",
+           "--use-server-token-count", "--output-artifact-dir", str(out), "--export-level", "summary",
+           "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry"]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert report["request_count"]["avg"] == 6 and report["is_complete"] and not report["was_cancelled"]
+    assert (report.get("error_request_count") or {}).get("avg", 0) == 0, report["error_summary"]
+    assert report["error_summary"] == []
+    assert report["output_sequence_length"]["avg"] == 8  # counted by tandem's usage, as asked
 
 
 def test_no_decode_worker_is_503(client, cluster):

@@ -161,7 +161,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             record.finish(code, message, last)
 
     def authenticate(self, context: grpc.aio.ServicerContext, record: RequestRecord | None = None
-                      ) -> ApiKey | None:
+                     ) -> ApiKey | None:
         """The caller's key (None with authentication off); AuthError when it is missing or unknown."""
         if self.keys is None:
             return None

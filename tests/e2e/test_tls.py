@@ -5,11 +5,13 @@ and the plaintext health ports the launcher (and Kubernetes' probes) use."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -137,3 +139,16 @@ def test_certificates_are_private_to_their_owner(cluster):
     assert {k.name for k in keys} >= {f"{s.name}-key.pem" for s in cluster.services}
     assert all(k.stat().st_mode & 0o077 == 0 for k in keys)
     assert tls_dir.stat().st_mode & 0o077 == 0
+
+
+def test_the_http_api_is_https_with_the_same_certificate(cluster):
+    url = cluster.http_url
+    assert url.startswith("https://")
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    trusting = ssl.create_default_context(cafile=str(cluster.ca_path))
+    res = httpx.post(f"{url}/completions", json=body, verify=trusting, timeout=60)
+    assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 4
+    with pytest.raises(httpx.ConnectError):  # a client that does not trust the cluster's CA
+        httpx.post(f"{url}/completions", json=body, timeout=10)
+    with pytest.raises(httpx.HTTPError):  # nor plaintext
+        httpx.post(url.replace("https://", "http://") + "/completions", json=body, timeout=10)

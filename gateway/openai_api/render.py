@@ -128,14 +128,17 @@ class Render:
 
     def _finish_fields(self, choice: dict, msg: gpb.GenerateResponse | None) -> None:
         """finish_reason and vLLM's stop_reason (the stop string, the stop token id, or null for an
-        end-of-sequence token); tandem's own extension, ``timings`` in milliseconds, on the last message."""
+        end-of-sequence token); on the last message, tandem's own extension ``tandem``: the choice's timings
+        in milliseconds (TTFT and its breakdown), the workers that served it, its cached prompt tokens."""
         finished = msg is not None and msg.finish_reason != cpb.FINISH_REASON_UNSPECIFIED
         choice["finish_reason"] = FINISH.get(msg.finish_reason, "stop") if finished else None
         choice["stop_reason"] = _stop_reason(msg) if finished else None
         if finished:
-            t = msg.timings
-            choice["timings"] = {name: round(getattr(t, name), 3) for name in TIMINGS}
-            choice["timings"].update(prefill_worker=msg.prefill_worker, decode_worker=msg.decode_worker)
+            choice["tandem"] = {
+                "timings_ms": {name.removesuffix("_ms"): round(getattr(msg.timings, name), 3) for name in TIMINGS},
+                "prefill_worker": msg.prefill_worker, "decode_worker": msg.decode_worker,
+                "cached_tokens": msg.usage.cached_tokens,
+            }
 
     def _logprobs(self, state: ChoiceState, lps, offset: int) -> dict:
         if self.chat:

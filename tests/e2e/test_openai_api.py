@@ -83,8 +83,8 @@ def test_greedy_completion_equals_the_grpc_api_streamed_or_not(client, cluster):
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert all(c.usage is None for c in chunks)  # no usage unless asked for
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    timings = chunks[-1].choices[0].model_extra["timings"]
-    assert timings["ttft_ms"] > 0 and timings["prefill_worker"] and timings["decode_worker"]
+    extension = chunks[-1].choices[0].model_extra["tandem"]
+    assert extension["timings_ms"]["ttft"] > 0 and extension["prefill_worker"] and extension["decode_worker"]
 
 
 def test_greedy_chat_equals_the_grpc_api_streamed_or_not(client, cluster):
@@ -118,6 +118,8 @@ def test_n_choices_share_the_prompt_and_differ_by_seed(client, cluster):
     prompt = "Write a word: " * 20  # a few full blocks: the second choice finds them cached
     res = client.completions.create(model="", prompt=prompt, n=2, max_tokens=12, temperature=1.0, seed=7)
     assert sorted(c.index for c in res.choices) == [0, 1]
+    full_blocks = res.usage.prompt_tokens // 16 * 16
+    assert res.choices[1].model_extra["tandem"]["cached_tokens"] >= full_blocks - 16  # it followed the first
     assert res.usage.completion_tokens == 24
     assert res.choices[0].text != res.choices[1].text  # seeds 7 and 8
     again = client.completions.create(model="", prompt=prompt, n=2, max_tokens=12, temperature=1.0, seed=7)

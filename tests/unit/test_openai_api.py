@@ -503,10 +503,11 @@ def test_a_completions_stream_gives_text_chunks_finished_by_the_last():
         assert c["choices"][0]["index"] == 0
         assert c["choices"][0]["logprobs"] is None
         assert "usage" not in c
-    assert "timings" not in chunks[0]["choices"][0]
-    timings = chunks[-1]["choices"][0]["timings"]
-    assert timings["ttft_ms"] == 12.346 and timings["e2e_ms"] == 40.0 and timings["tokenize_ms"] == 0.5
-    assert (timings["prefill_worker"], timings["decode_worker"]) == ("prefill:1", "decode:2")
+    assert "tandem" not in chunks[0]["choices"][0]
+    extension = chunks[-1]["choices"][0]["tandem"]
+    timings = extension["timings_ms"]
+    assert timings["ttft"] == 12.346 and timings["e2e"] == 40.0 and timings["tokenize"] == 0.5
+    assert (extension["prefill_worker"], extension["decode_worker"]) == ("prefill:1", "decode:2")
     assert render.usage() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                               "prompt_tokens_details": {"cached_tokens": 2}}
 
@@ -599,7 +600,7 @@ def test_a_whole_chat_response_with_n_2_has_both_messages_and_the_usage():
     for c in out["choices"]:
         assert c["message"] == {"role": "assistant", "content": "Hello world,"}
         assert c["logprobs"] is None
-        assert c["timings"]["decode_worker"] == "decode:2"
+        assert c["tandem"]["decode_worker"] == "decode:2"
     assert [(c["finish_reason"], c["stop_reason"]) for c in out["choices"]] == [("length", None), ("stop", 28)]
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
                             "prompt_tokens_details": {"cached_tokens": 2}}

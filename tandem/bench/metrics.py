@@ -39,6 +39,7 @@ class RequestRecord:
     prompt_tokens: int = 0  # what the server reported (usage); 0 when it does not say
     cached_tokens: int = 0
     error: str = ""
+    server_ttft_ms: float | None = None  # the TTFT the server reports for it (tandem's timings), when it does
 
     @property
     def ok(self) -> bool:

@@ -50,6 +50,7 @@ class GatewayBackend:
         self.timeout = timeout
         self.metadata = auth_metadata(api_key)
         self.channel = channel(address)  # one HTTP/2 connection, one stream per request
+        self.cache_salt = ""  # sent with every request: runs with different salts share no cached blocks
 
     async def vocab_size(self) -> int:
         """The served model's vocabulary, so that a run needs no local copy of the model."""
@@ -66,7 +67,8 @@ class GatewayBackend:
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         sampling = cpb.SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
-        msg = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=request.prompt_ids), sampling=sampling)
+        msg = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=request.prompt_ids), sampling=sampling,
+                                  cache_salt=self.cache_salt)
         try:
             async for reply in stream_generate(self.channel, msg, timeout=self.timeout, metadata=self.metadata):
                 if reply.token_ids:
@@ -75,6 +77,8 @@ class GatewayBackend:
                 if reply.HasField("usage"):
                     record.prompt_tokens = reply.usage.prompt_tokens
                     record.cached_tokens = reply.usage.cached_tokens
+                if reply.HasField("timings"):
+                    record.server_ttft_ms = reply.timings.ttft_ms
         except grpc.aio.AioRpcError as exc:
             record.error = exc.code().name
         record.end = time.perf_counter()
@@ -118,6 +122,7 @@ class OpenAIBackend:
         self.timeout = timeout
         self.prompt_format = prompt_format
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.cache_salt = ""  # vLLM's and tandem's field; sent when set
 
     def body(self, request: BenchRequest) -> dict:
         n = request.output_len
@@ -132,6 +137,8 @@ class OpenAIBackend:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if self.cache_salt:
+            body["cache_salt"] = self.cache_salt
         body.update(self.extra_body)
         return body
 
@@ -151,15 +158,28 @@ class OpenAIBackend:
                     break
                 arrived = time.perf_counter()  # before parsing: the client's own work is not the server's latency
                 event = json.loads(data)
-                if (choices := event.get("choices")) and is_token(choices[0]):
-                    record.token_times.append(arrived)
-                if usage := event.get("usage"):
+                usage = event.get("usage") or {}
+                if choices := event.get("choices"):
+                    count_tokens(choices[0], usage, record, arrived)
+                    if extension := choices[0].get("tandem"):  # tandem's own TTFT of the request
+                        record.server_ttft_ms = extension["timings_ms"]["ttft"]
+                if usage:
                     record.prompt_tokens = usage.get("prompt_tokens") or 0
                     details = usage.get("prompt_tokens_details") or {}
                     record.cached_tokens = details.get("cached_tokens") or 0
 
     async def close(self) -> None:
         pass
+
+
+def count_tokens(choice: dict, usage: dict, record: RequestRecord, arrived: float) -> None:
+    """Stamp the tokens a streamed chunk carries: as many as its running usage adds when the server sends one
+    on every chunk (``continuous_usage_stats``; a chunk may carry several tokens, as a gRPC message may),
+    else one per token chunk."""
+    if "completion_tokens" in usage:
+        record.token_times.extend([arrived] * max(usage["completion_tokens"] - len(record.token_times), 0))
+    elif is_token(choice):
+        record.token_times.append(arrived)
 
 
 def is_token(choice: dict) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import platform
@@ -34,18 +33,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
-
-from protos import common_pb2 as cpb
-from protos import gateway_pb2 as gpb
-from tandem.bench.backends import Backend, GatewayBackend, OpenAIBackend, post_sse
+from tandem.bench.backends import Backend, GatewayBackend, OpenAIBackend
 from tandem.bench.compare import affinity_plan, usable_cpus
 from tandem.bench.datasets import BenchRequest, random_dataset, word_ids
-from tandem.bench.metrics import RequestRecord, compute_metrics
+from tandem.bench.metrics import compute_metrics
 from tandem.bench.progress import Progress
 from tandem.bench.results import Load, RunResult
 from tandem.bench.serve import output_stem, run_load, tokenizer_file, warm_up
-from tandem.client import stream_generate
 
 APIS = ("grpc", "http")
 NAMES = {"grpc": "gRPC", "http": "HTTP"}
@@ -97,75 +91,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--output-len must be >= 2: one token has no inter-token latency")
 
 
-class SaltedGatewayBackend(GatewayBackend):
-    """``GatewayBackend`` with a cache salt on every request."""
-
-    salt = ""
-
-    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        sampling = cpb.SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
-        msg = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=request.prompt_ids), sampling=sampling,
-                                  cache_salt=self.salt)
-        try:
-            async for reply in stream_generate(self.channel, msg, timeout=self.timeout, metadata=self.metadata):
-                if reply.token_ids:
-                    now = time.perf_counter()
-                    record.token_times.extend([now] * len(reply.token_ids))
-                if reply.HasField("usage"):
-                    record.prompt_tokens = reply.usage.prompt_tokens
-                    record.cached_tokens = reply.usage.cached_tokens
-                if reply.HasField("timings"):
-                    record.server_ttft_ms = reply.timings.ttft_ms
-        except grpc.aio.AioRpcError as exc:
-            record.error = exc.code().name
-        record.end = time.perf_counter()
-
-
-class HttpBackend(OpenAIBackend):
-    """``OpenAIBackend`` (token ids to ``/v1/completions``) with a cache salt; with ``by_usage``, each
-    chunk counts as the tokens it carries (``continuous_usage_stats``), not as one, so that a chunk of
-    several tokens is stamped as the gRPC client stamps a message of several."""
-
-    def __init__(self, url: str, timeout: float, by_usage: bool) -> None:
-        super().__init__(url, "", {}, timeout, prompt_format="ids")
-        self.by_usage = by_usage
-
-    @property
-    def salt(self) -> str:
-        return self.extra_body.get("cache_salt", "")
-
-    @salt.setter
-    def salt(self, value: str) -> None:
-        self.extra_body["cache_salt"] = value
-
-    def body(self, request: BenchRequest) -> dict:
-        body = super().body(request)
-        if self.by_usage:
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        return body
-
-    async def _stream(self, request: BenchRequest, record: RequestRecord) -> None:
-        if not self.by_usage:
-            return await super()._stream(request, record)
-        body = json.dumps(self.body(request)).encode()
-        async with contextlib.aclosing(post_sse(self.host, self.port, self.path, body, self.ssl,
-                                                    self.headers)) as events:
-            async for data in events:
-                if data == "[DONE]":
-                    break
-                arrived = time.perf_counter()
-                event = json.loads(data)
-                usage = event.get("usage") or {}
-                if extension := (event.get("choices") or [{}])[0].get("tandem"):
-                    record.server_ttft_ms = extension["timings_ms"]["ttft"]
-                if event.get("choices"):
-                    new = usage.get("completion_tokens", len(record.token_times) + 1) - len(record.token_times)
-                    record.token_times.extend([arrived] * max(new, 0))
-                if usage:
-                    record.prompt_tokens = usage.get("prompt_tokens") or 0
-                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
 def dataset(n: int, input_len: int, output_len: int, pool: int | list[int], seed: str) -> list[BenchRequest]:
     shape = SimpleNamespace(input_len=input_len, output_len=output_len, range_ratio=0.0)
     return random_dataset(shape, n, pool, random.Random(seed))
@@ -174,15 +99,17 @@ def dataset(n: int, input_len: int, output_len: int, pool: int | list[int], seed
 async def measure(grpc_address: str, http_url: str, args: argparse.Namespace) -> dict[str, list[dict]]:
     """Warm both APIs up, then the low-load and high-load rounds, alternating (and which goes first, round by
     round); phase -> the runs in order."""
-    backends: dict[str, Backend] = {"grpc": SaltedGatewayBackend(grpc_address, args.timeout),
-                                    "http": HttpBackend(f"{http_url}/completions", args.timeout,
-                                                        args.http_tokens == "usage")}
+    usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    backends: dict[str, Backend] = {
+        "grpc": GatewayBackend(grpc_address, args.timeout),
+        "http": OpenAIBackend(f"{http_url}/completions", "", usage if args.http_tokens == "usage" else {},
+                              args.timeout, prompt_format="ids")}
     try:
         vocab = await backends["grpc"].vocab_size()
         pool = word_ids(tokenizer_file(args.model)) if args.prompt_tokens == "words" else vocab
         for api, backend in backends.items():
             print(f"  {NAMES[api]}:", end="")
-            backend.salt = f"bench-front-{api}-warmup"
+            backend.cache_salt = f"bench-front-{api}-warmup"
             await warm_up(backend, dataset(args.num_warmups, args.high_load_input_len, args.high_load_output_len,
                                            pool, f"{args.seed}-warmup"), args.concurrency)
         phases = {"low": (args.rounds, args.num_prompts, args.input_len, args.output_len, 1),
@@ -195,7 +122,7 @@ async def measure(grpc_address: str, http_url: str, args: argparse.Namespace) ->
                 requests = dataset(n, input_len, output_len, pool, f"{args.seed}-{phase}{r}")
                 order = list(backends.items())
                 for api, backend in order[::-1] if r % 2 else order:  # G H, H G, ...: drift hits both alike
-                    backend.salt = f"bench-front-{api}-{phase}{r}"
+                    backend.cache_salt = f"bench-front-{api}-{phase}{r}"
                     label = f"{phase} load round {r + 1}/{rounds} {NAMES[api]} ({streams} stream{'s' * (streams > 1)})"
                     bar = Progress(n, label, enabled=args.progress)
                     result = await run_load(backend, requests, Load(math.inf, max_concurrency=streams), progress=bar)

@@ -11,7 +11,13 @@ import uuid
 from dataclasses import dataclass
 
 from gateway.openai_api.errors import bad_request
-from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai_api.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import tokenizer_pb2 as tpb
@@ -147,7 +153,7 @@ def _check_logprobs(value: int | None, param: str) -> None:
         raise bad_request(f"`{param}` must be at most {MAX_LOGPROBS}, not {value}", param)
 
 
-def _message(m, index: int) -> tpb.ChatMessage:
+def _message(m: ChatMessage, index: int) -> tpb.ChatMessage:
     if m.content is None or isinstance(m.content, str):
         return tpb.ChatMessage(role=m.role, content=m.content or "")
     parts = []

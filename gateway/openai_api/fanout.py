@@ -96,7 +96,8 @@ class Fanout:
             async with contextlib.aclosing(self._gateway.Generate(choice.request, context)) as stream:
                 async for msg in stream:
                     self._put(Event(choice.index, msg))
-                    self._release_followers(choice.prompt_index)
+                    if choice.prompt_index in self._followers:  # the first message of a prompt's first choice
+                        self._release_followers(choice.prompt_index)
             self._put(Event(choice.index))
         except Exception as exc:  # the client gets it as its error; Generate has recorded and counted it
             self._put(Event(choice.index, error=exc, retry_after=context.retry_after), urgent=True)

@@ -38,6 +38,7 @@ class Render:
     def __init__(self, plan: Plan, kind: str, model: str, fingerprint: str, names: TokenNames | None) -> None:
         self.plan = plan
         self.chat = kind == "chat"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         self.model = model
         self.fingerprint = fingerprint
         self.names = names
@@ -84,13 +85,13 @@ class Render:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(state, msg.logprobs, len(echo)) if self.plan.logprobs is not None else None
         self._finish_fields(choice, msg)
-        out = self._envelope(["chat.completion.chunk", "text_completion"][not self.chat], [choice])
+        out = self._envelope(self.chunk_object, [choice])
         if self.plan.continuous_usage:
             out["usage"] = self.usage()
         return out
 
     def usage_chunk(self) -> dict:
-        out = self._envelope(["chat.completion.chunk", "text_completion"][not self.chat], [])
+        out = self._envelope(self.chunk_object, [])
         out["usage"] = self.usage()
         return out
 
@@ -116,7 +117,7 @@ class Render:
                                   if self.plan.logprobs is not None else None)
             self._finish_fields(choice, state.last)
             choices.append(choice)
-        out = self._envelope(["chat.completion", "text_completion"][not self.chat], choices)
+        out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         out["usage"] = self.usage()
         return out
 

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from protos import common_pb2 as cpb
 
 FINISH_REASONS = {
     "stop": cpb.FINISH_REASON_STOP,
     "length": cpb.FINISH_REASON_LENGTH,
     "prefilled": cpb.FINISH_REASON_PREFILLED,
+    "grammar_error": cpb.FINISH_REASON_GRAMMAR_ERROR,
 }
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
@@ -32,8 +34,31 @@ def sampling_from_pb(p: cpb.SamplingParams, default_max_tokens: int) -> Sampling
         max_tokens=max_tokens,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        structured=structured_from_pb(p.structured) if p.HasField("structured") else None,
         **kwargs,
     )
+
+
+def structured_from_pb(p: cpb.StructuredOutput) -> StructuredOutput:
+    """Raises ValueError when no kind is set or its value is malformed (``StructuredOutput``)."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured: set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "choice":
+        return StructuredOutput(kind, choices=tuple(p.choice.choices))
+    if kind == "json_object":
+        if not p.json_object:
+            raise ValueError("structured: json_object must be true when set")
+        return StructuredOutput(kind)
+    return StructuredOutput(kind, getattr(p, kind))
+
+
+def structured_to_pb(s: StructuredOutput) -> cpb.StructuredOutput:
+    if s.kind == "choice":
+        return cpb.StructuredOutput(choice=cpb.Choices(choices=s.choices))
+    if s.kind == "json_object":
+        return cpb.StructuredOutput(json_object=True)
+    return cpb.StructuredOutput(**{s.kind: s.value})
 
 
 def sampling_to_pb(s: SamplingParams) -> cpb.SamplingParams:
@@ -54,6 +79,8 @@ def sampling_to_pb(s: SamplingParams) -> cpb.SamplingParams:
         p.seed = s.seed
     if s.logprobs is not None:
         p.logprobs = s.logprobs
+    if s.structured is not None:
+        p.structured.CopyFrom(structured_to_pb(s.structured))
     return p
 
 

@@ -222,6 +222,16 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             counter("tandem_engine_generation_tokens", "Tokens sampled by the engine", stats.generation_tokens),
             counter("tandem_num_preemptions", "Requests preempted for lack of KV blocks", stats.num_preemptions),
             counter("tandem_kv_load_failures", "KV loads that failed and were recomputed", stats.kv_load_failures),
+            gauge("tandem_num_requests_compiling_grammar", "Requests waiting for their structured-output grammar",
+                  self.engine.num_compiling),
+            counter("tandem_structured_output_tokens", "Tokens sampled under a structured-output constraint",
+                    stats.structured_tokens),
+            counter("tandem_grammar_compiles", "Structured-output grammars compiled (cache misses)",
+                    self.core.grammars.compiles),
+            counter("tandem_grammar_cache_hits", "Structured-output grammars found compiled",
+                    self.core.grammars.cache_hits),
+            counter("tandem_grammar_errors", "Requests ended because their grammar allowed no further token",
+                    stats.grammar_errors),
         ]
 
 

@@ -4,6 +4,7 @@ blocks the event loop; each request is an async iterator of outputs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -42,14 +43,17 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         # Replaced whole by the engine thread after every change, read by anyone: never half-updated.
         self.load: EngineLoad = engine.load_snapshot()
+        self.num_compiling = 0  # requests waiting for their structured-output grammar to compile
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(
         self, prompt: list[int], params: SamplingParams, request_id: str, options: RequestOptions | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; a ValueError from validation (``Engine.add_request``) is raised here; cancelling
-        aborts."""
+        """Stream outputs; a ValueError from validation (``Engine.add_request``, or a structured-output
+        constraint that does not compile) is raised here; cancelling aborts."""
+        if params.structured is not None and (options is None or options.grammar is None):
+            options = await self._compiled(params, options)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(prompt, params, request_id, options, sink, loop))
@@ -66,6 +70,19 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def _compiled(self, params: SamplingParams, options: RequestOptions | None) -> RequestOptions:
+        """``options`` with the request's grammar, compiled on the compiler's pool while the engine thread
+        keeps stepping the others: the request enters the engine only once it can be constrained."""
+        grammars, spec = self.engine.grammars, params.structured
+        self.num_compiling += 1
+        try:
+            compiled = await asyncio.wait_for(asyncio.wrap_future(grammars.submit(spec)), grammars.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise ValueError(grammars.timeout_message(spec)) from None
+        finally:
+            self.num_compiling -= 1
+        return dataclasses.replace(options or RequestOptions(), grammar=compiled)
 
     def abort(self, request_id: str) -> Future:
         """Queue an abort; the future completes once the engine thread has applied it, i.e. after

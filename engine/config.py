@@ -161,6 +161,9 @@ class EngineConfig:
     kernel_cache_dir: str | None = None  # where they are built and cached (None: ~/.cache/tandem/kernels)
     num_threads: int | None = None
     seed: int = 0
+    # Structured outputs: how long one grammar may take to compile, and how many compiled ones are kept.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -176,7 +179,9 @@ class EngineConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.model_config is None:

@@ -9,8 +9,10 @@ blocks to the KV connector; ``consumer`` (or any role, given
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,10 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, ScheduledRequest, Scheduler
 from engine.stats import EngineLoad, EngineStats
+from engine.structured.bitmask import GrammarBitmask
+from engine.structured.compiler import GrammarCompiler, GrammarState
+
+log = logging.getLogger("tandem.engine")
 
 
 class Engine:
@@ -53,6 +59,12 @@ class Engine:
             config.scheduling_policy,
         )
         self.sampler = Sampler(config.seed)
+        mc = self.model_config
+        self.grammars = GrammarCompiler(
+            Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,
+            config.grammar_cache_size, config.grammar_compile_timeout_s,
+        )
+        self._bitmask = GrammarBitmask(mc.vocab_size)
         self.connector = kv_connector
         self.stats = EngineStats(prefix_cache=self.kv.stats)
         self._loads: dict[str, KVLoad] = {}
@@ -117,6 +129,8 @@ class Engine:
         request.num_external_tokens = options.num_external_tokens
         # What it loads came from the store: pushing it back would be wasted.
         request.num_saved_blocks = options.num_external_tokens // self.config.block_size
+        if params.structured is not None:
+            request.grammar = self._grammar_state(params, options)
         self.scheduler.add(request)
         return request_id
 
@@ -175,6 +189,18 @@ class Engine:
         if any(not isinstance(k, bytes) or len(k) != HASH_BYTES for k in keys):
             raise ValueError(f"block hashes must be {HASH_BYTES}-byte keys (engine.block_hash)")
 
+    def _grammar_state(self, params: SamplingParams, options: RequestOptions) -> GrammarState:
+        """The request's matcher, advanced over the tokens generated before it came here (a prefill's first
+        token, a migrated stream's outputs), so that it continues the grammar where they left it."""
+        compiled = options.grammar or self.grammars.compile(params.structured)
+        state = compiled.new_state()
+        if not state.accept_all(options.output_token_ids):
+            raise ValueError(
+                f"the {len(options.output_token_ids)} tokens generated so far do not follow the structured-output "
+                f"constraint: {state.error}"
+            )
+        return state
+
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds, wherever it is; False if it is unknown or finished."""
         request = self.scheduler.requests.get(request_id)
@@ -199,12 +225,23 @@ class Engine:
         sampling = [s for s in sched.scheduled if s.samples]
         t1 = time.perf_counter()
         logits = self.runner.execute(sched)
-        tokens, logprobs = self.sampler.sample(logits, [s.request for s in sampling])
+        requests = [s.request for s in sampling]
+        dead = self._constrain(logits, requests)
+        tokens, logprobs = self.sampler.sample(logits, requests)
         t2 = time.perf_counter()
-        outputs = self._update(sched.scheduled, sampling, tokens, logprobs)
+        outputs = self._update(sched.scheduled, sampling, tokens, logprobs, dead)
         self.stats.num_steps += 1
         self.stats.last_step_overhead_s = (t1 - t0) + (time.perf_counter() - t2)
         return outputs
+
+    def _constrain(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, str]:
+        """Mask the rows of constrained requests to what their grammars allow; the rows whose grammar
+        allows nothing, with why (they end instead of sampling an unconstrained token)."""
+        states = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if not states:
+            return {}
+        self.stats.structured_tokens += len(states)
+        return self._bitmask.apply(logits, states).dead
 
     def _start_loads(self, loads: list[KVLoad]) -> None:
         for load in loads:
@@ -245,6 +282,7 @@ class Engine:
         sampling: list[ScheduledRequest],
         tokens: list[int],
         logprobs: list[TokenLogprobs | None],
+        dead: dict[int, str],
     ) -> list[RequestOutput]:
         bs, producer = self.config.block_size, self.role == "producer"
         saves = producer and self.connector is not None
@@ -265,28 +303,36 @@ class Engine:
         now = time.monotonic()
         max_len, running = self.config.max_model_len, RequestStatus.RUNNING
         outputs = []
-        for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
+        for i, (s, token, lp) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
             r = s.request
-            r.output_token_ids.append(token)
-            if lp is not None:
-                r.output_logprobs.append(lp)
+            broken = dead.get(i) if dead else None
+            if broken is None and r.grammar is not None and not r.grammar.accept(token):
+                broken = r.grammar.error or f"token {token} does not follow the grammar"
+            if broken is None:
+                r.output_token_ids.append(token)
+                if lp is not None:
+                    r.output_logprobs.append(lp)
             times = None
             if r.first_token_time is None:
                 r.first_token_time = now
                 times = RequestTimes.of(r)
             n_out, params = len(r.output_token_ids), r.params
-            if token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
+            if broken is not None:
+                self._end_ungrammatical(r, broken)
+            elif token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
+                self._finish(r, RequestStatus.FINISHED_STOPPED)
+            elif r.grammar is not None and r.grammar.terminated:
                 self._finish(r, RequestStatus.FINISHED_STOPPED)
             elif n_out >= params.max_tokens or n_out + len(r.prompt_token_ids) >= max_len:
                 self._finish(r, RequestStatus.FINISHED_LENGTH)
             elif producer:
                 self._finish(r, RequestStatus.FINISHED_PREFILLED)
             finished = r.status > running
+            new = ([token], [lp] if lp is not None else []) if broken is None else ([], [])
             outputs.append(
                 RequestOutput(
                     r.request_id,
-                    [token],
-                    [lp] if lp is not None else [],
+                    *new,
                     finished,
                     r.status.finish_reason if finished else None,
                     len(r.prompt_token_ids),
@@ -296,6 +342,12 @@ class Engine:
                 )
             )
         return outputs
+
+    def _end_ungrammatical(self, r: Request, why: str) -> None:
+        """A constrained request that cannot go on ends here, rather than with an unconstrained token."""
+        log.warning("request %s: its structured-output grammar allows no further token: %s", r.request_id, why)
+        self.stats.grammar_errors += 1
+        self._finish(r, RequestStatus.FINISHED_GRAMMAR)
 
     def _save_final_blocks(self, r: Request) -> None:
         """Hand the connector the prompt blocks that became final this step."""

@@ -6,8 +6,12 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import CompiledGrammar, GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -21,6 +25,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_PREFILLED = 7  # producer role: first token sampled, the KV handed out for decode elsewhere
+    FINISHED_GRAMMAR = 8  # its structured-output grammar allows no further token: the output is cut short
 
     @property
     def finished(self) -> bool:
@@ -36,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_PREFILLED: "prefilled",
+    RequestStatus.FINISHED_GRAMMAR: "grammar_error",
 }
 
 
@@ -69,6 +75,8 @@ class RequestOptions:
     mean hashing again): a wrong key files blocks under another prefix, so pass only keys computed over
     exactly these tokens. With a load that ends in a partial block, they stop before it: the connector
     finds that block by request, not by key.
+    ``grammar``: the request's structured-output constraint, compiled already (``AsyncEngine`` compiles it
+    off the step loop); without it, the engine compiles ``params.structured`` itself, blocking.
 
     Sequences are copied into tuples so that the value really is immutable. The values are validated by
     the engine that takes them (``Engine.add_request``), where the limits they depend on are known.
@@ -79,6 +87,7 @@ class RequestOptions:
     output_token_ids: Sequence[int] = ()
     num_external_tokens: int = 0
     block_hashes: Sequence[bytes] | None = None
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.cache_salt == "":
@@ -112,6 +121,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_external_tokens: int = 0  # leading tokens whose KV is loaded from outside (consumer role)
     num_saved_blocks: int = 0  # leading blocks handed to the KV connector (producer role)
+    grammar: GrammarState | None = None  # structured output: the matcher, advanced over every output token
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredOutput
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token only; n: chosen + top-n
+    structured: StructuredOutput | None = None  # sample only what this schema / regex / choice / grammar allows
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -44,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError("structured must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -31,5 +31,7 @@ class EngineStats:
     kv_blocks_saved: int = 0
     kv_blocks_loaded: int = 0
     kv_load_failures: int = 0  # loads that failed and were recomputed instead
+    structured_tokens: int = 0  # tokens sampled under a structured-output constraint
+    grammar_errors: int = 0  # requests ended because their grammar allowed no further token
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     last_step_overhead_s: float = 0.0  # scheduling and bookkeeping of the last step, the model excluded

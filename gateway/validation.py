@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from common.pb_convert import sampling_from_pb, sampling_to_pb
 from engine.sampling_params import SamplingParams
+from engine.structured import check_structured
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 
@@ -85,6 +86,11 @@ def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
                              f"got {req.sampling.max_tokens}")
     if any(t >= limits.vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"sampling: stop_token_ids must be < the vocabulary size {limits.vocab_size}")
+    if params.structured is not None:
+        try:  # here, so that a constraint that cannot compile never occupies a worker
+            check_structured(params.structured)
+        except ValueError as exc:
+            raise InvalidRequest(f"sampling: {exc}") from exc
     _check_stop(req.stop)
     if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is at most {MAX_CACHE_SALT_CHARS} characters")

@@ -18,6 +18,7 @@ from gateway.openai_api.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from gateway.openai_api.structured import structured_output
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import tokenizer_pb2 as tpb
@@ -110,6 +111,9 @@ def _request(body: SamplingFields, max_tokens: int | None, logprobs: int | None)
         s.max_tokens = max_tokens
     if logprobs is not None:
         s.logprobs = logprobs
+    structured = structured_output(body)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
     return gpb.GenerateRequest(
         model=body.model or "", sampling=s, stop=body.stop_list,
         include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt or "",

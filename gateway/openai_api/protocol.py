@@ -9,7 +9,7 @@ the same messages as the gRPC API's.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,34 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False  # a last chunk with ``choices: []`` and the usage
     continuous_usage_stats: bool = False  # with include_usage: the usage so far on every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way (as vLLM does)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object (its newer name for the ``guided_*`` fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -49,6 +77,13 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     request_id: str | None = None  # vLLM's: names the request in traces and logs (choices add ``-<index>``)
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* fields / structured_outputs (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stop_list(self) -> list[str]:

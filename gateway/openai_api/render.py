@@ -14,7 +14,9 @@ from gateway.openai_api.token_names import TokenNames
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 
-FINISH = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length"}
+# grammar_error: a structured-output grammar allowed no further token (tandem's; not one of OpenAI's values)
+FINISH = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
+          cpb.FINISH_REASON_GRAMMAR_ERROR: "grammar_error"}
 TIMINGS = tuple(f.name for f in cpb.Timings.DESCRIPTOR.fields)
 
 

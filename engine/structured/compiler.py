@@ -70,6 +70,8 @@ class GrammarCompiler:
     The tokenizer (the model folder's ``tokenizer.json``) is read on the first compile, not at engine
     start: most deployments never constrain, and building llguidance's token trie takes a fraction of
     a second. ``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's.
+    ``limits`` override llguidance's parser limits (``LLParserLimits``: lexer states, items per step, fuel),
+    which bound the work of one mask; a request that reaches one ends with ``grammar_error``.
     """
 
     def __init__(
@@ -80,12 +82,14 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         threads: int = 1,
+        limits: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer_file = tokenizer_file
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
+        self.limits = dict(limits or {})
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer: Any = None
@@ -125,10 +129,14 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _build(self, spec: StructuredOutput) -> CompiledGrammar:
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
-        grammar = spec.grammar()
-        matcher = LLMatcher(self._tokenizer_or_load(), grammar, log_level=0)
+        try:
+            grammar = spec.grammar()
+        except ValueError as exc:
+            raise ValueError(f"structured output {spec.kind} does not compile: {exc}") from None
+        limits = LLParserLimits(**self.limits) if self.limits else None
+        matcher = LLMatcher(self._tokenizer_or_load(), grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise ValueError(f"structured output {spec.kind} does not compile: {matcher.get_error().strip()}")
         compiled = CompiledGrammar(matcher)

@@ -69,7 +69,8 @@ class StructuredOutput:
         return (self.kind, self.value, self.choices)
 
     def grammar(self) -> str:
-        """The llguidance grammar for this constraint (its top-level JSON form)."""
+        """The llguidance grammar for this constraint (its top-level JSON form); ValueError if a GBNF grammar
+        does not parse (everything else is checked when a matcher is built from it)."""
         from llguidance import LLMatcher, grammar_from
 
         if self.kind == "json_schema":
@@ -81,10 +82,7 @@ class StructuredOutput:
         if self.kind == "choice":
             # Lark string literals take JSON's escapes, so json.dumps quotes any string safely.
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
-        try:
-            return grammar_from("grammar", self.value)  # Lark, or GBNF converted to Lark
-        except ValueError as exc:
-            raise ValueError(f"structured output grammar: {exc}") from None
+        return grammar_from("grammar", self.value)  # Lark, or GBNF converted to Lark (ValueError if neither)
 
 
 def check_structured(spec: StructuredOutput) -> None:

@@ -49,6 +49,29 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=300.0, help="the call's deadline in seconds")
     g.add_argument("--api-key", default=env_default("--api-key", None, str),
                    help="API key for a gateway that asks for one, sent as `authorization: Bearer` (env TANDEM_API_KEY)")
+    s = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE|JSON", help="the answer is JSON that validates against this schema")
+    s.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    s.add_argument("--regex", metavar="REGEX", help="the answer matches this regular expression")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the answer is one of these (repeatable)")
+    s.add_argument("--grammar", metavar="FILE|TEXT", help="the answer follows this Lark or GBNF grammar")
+
+
+def structured_output(args: argparse.Namespace):
+    """The ``engine.structured.StructuredOutput`` the structured-output flags ask for, or None; a flag's value
+    that names a file is read from it. Raises ValueError on a malformed one."""
+    from engine.structured import StructuredOutput
+
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.choice:
+        return StructuredOutput("choice", choices=tuple(args.choice))
+    for kind, value in (("json_schema", args.json_schema), ("regex", args.regex), ("grammar", args.grammar)):
+        if value is not None:
+            path = Path(value)
+            text = path.read_text() if kind != "regex" and len(value) < 4096 and path.is_file() else value
+            return StructuredOutput(kind, text)
+    return None
 
 
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:
@@ -210,8 +233,12 @@ def _generate_remote(args: argparse.Namespace, address: str, tls=None) -> int:
 
     if tls is None and hasattr(args, "tls_ca"):
         tls = client_tls(args)
+    from common.pb_convert import structured_to_pb
+
+    spec = structured_output(args)
     request = build_request(args.prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                            structured=structured_to_pb(spec) if spec is not None else None)
     return generate_to_terminal(address, request, args.timeout, tls=tls, api_key=args.api_key)
 
 

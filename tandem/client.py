@@ -36,14 +36,17 @@ def build_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     request_id: str = "",
+    structured: common_pb2.StructuredOutput | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A Generate request: the prompt as one user chat message (``raw``: as plain text); None leaves a
-    sampling field unset so the server's default applies."""
+    sampling field unset so the server's default applies. ``structured``: the answer's constraint."""
     sampling = common_pb2.SamplingParams()
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(sampling, name, value)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     request = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling, stop=list(stop))
     if raw:
         request.prompt = prompt

@@ -12,6 +12,7 @@ from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 def generate_local(args: argparse.Namespace) -> int:
     from common.engine_args import engine_config
+    from tandem.cli import structured_output
 
     config = engine_config(args)
     tokenizer = TextTokenizer(config.model)
@@ -25,6 +26,7 @@ def generate_local(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        structured=structured_output(args),
     )
     engine = Engine(config)
     request_id = engine.add_request(prompt_ids, params)

@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from engine.structured.spec import StructuredOutput
+from engine.structured.spec import StructuredOutput, compile_error
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -134,11 +134,11 @@ class GrammarCompiler:
         try:
             grammar = spec.grammar()
         except ValueError as exc:
-            raise ValueError(f"structured output {spec.kind} does not compile: {exc}") from None
+            raise ValueError(compile_error(spec, str(exc))) from None
         limits = LLParserLimits(**self.limits) if self.limits else None
         matcher = LLMatcher(self._tokenizer_or_load(), grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise ValueError(f"structured output {spec.kind} does not compile: {matcher.get_error().strip()}")
+            raise ValueError(compile_error(spec, matcher.get_error()))
         compiled = CompiledGrammar(matcher)
         with self._lock:
             self.compiles += 1

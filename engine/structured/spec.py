@@ -17,6 +17,7 @@ MAX_CHOICES = 1024
 # Compact JSON (``{"a":1}``), as json.dumps(separators=(",", ":")): no freedom for a sampled model to
 # wander through whitespace. A schema can ask for other separators through its own "x-guidance" object.
 JSON_DEFAULTS = {"whitespace_flexible": False}
+MAX_MESSAGE_CHARS = 240  # llguidance's messages can quote the whole grammar: a rejection stays readable
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -89,7 +90,15 @@ def check_structured(spec: StructuredOutput) -> None:
     """Raise ValueError naming the problem if ``spec`` does not compile (no tokenizer needed)."""
     error = _grammar_error(spec)
     if error:
-        raise ValueError(f"structured output {spec.kind} does not compile: {error.strip()}")
+        raise ValueError(compile_error(spec, error))
+
+
+def compile_error(spec: StructuredOutput, error: str) -> str:
+    """The message for a constraint that does not compile: llguidance's reason, cut to a readable length."""
+    error = error.strip()
+    if len(error) > MAX_MESSAGE_CHARS:
+        error = error[:MAX_MESSAGE_CHARS] + "..."
+    return f"structured output {spec.kind} does not compile: {error}"
 
 
 @lru_cache(maxsize=256)

@@ -25,6 +25,18 @@ def test_generate_local_streams_the_answer(default_model):
     assert "finish=" in proc.stderr
 
 
+def test_generate_local_follows_a_structured_output_flag(default_model, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"], '
+                      '"additionalProperties": false}')
+    proc = run("generate", "--local", "Which city is the capital of France?", "--json-schema", str(schema),
+               "--temperature", "1", "--seed", "3", "--model", str(default_model))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() in ('{"city":"Paris"}', '{"city":"Lyon"}') and "finish=stop" in proc.stderr
+    proc = run("generate", "--local", "hi", "--regex", "a(", "--model", str(default_model))
+    assert proc.returncode == 2 and "regex does not compile" in proc.stderr and "unclosed group" in proc.stderr
+
+
 def test_generate_without_a_gateway_says_what_to_do():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

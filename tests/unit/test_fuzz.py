@@ -64,6 +64,29 @@ SAMPLING_FIELDS = (
 )
 
 
+# Constraints that compile and ones that do not (an unknown type, a dangling $ref, an empty range, broken syntax).
+SCHEMA_TEXTS = ['{"type": "object"}', '{"type": "strin"}', "{", "[]", "true", '{"$ref": "#/$defs/x"}',
+                '{"type": "integer", "minimum": 5, "maximum": 1}', '{"type": "array", "items": {"enum": []}}']
+REGEXES = ["[a-z]+", "(", "a{2,", r"\d{3}", ".*", "[^\x00]", "(?P<x>a)", "a{99999}"]
+GRAMMARS = ['start: "a"', 'root ::= "a" (', "start: x", "%%%", "root ::= [a-z]+", 'start: /a(/']
+
+
+@st.composite
+def structured(draw) -> cpb.StructuredOutput:
+    kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "choice", "grammar", None]))
+    if kind == "json_schema":
+        return cpb.StructuredOutput(json_schema=draw(st.sampled_from(SCHEMA_TEXTS) | text))
+    if kind == "json_object":
+        return cpb.StructuredOutput(json_object=draw(st.booleans()))
+    if kind == "regex":
+        return cpb.StructuredOutput(regex=draw(st.sampled_from(REGEXES) | text))
+    if kind == "choice":
+        return cpb.StructuredOutput(choice=cpb.Choices(choices=draw(st.lists(text, max_size=4))))
+    if kind == "grammar":
+        return cpb.StructuredOutput(grammar=draw(st.sampled_from(GRAMMARS) | text))
+    return cpb.StructuredOutput()
+
+
 @st.composite
 def sampling(draw) -> cpb.SamplingParams:
     p = cpb.SamplingParams()
@@ -73,6 +96,8 @@ def sampling(draw) -> cpb.SamplingParams:
             setattr(p, name, value)
     p.stop_token_ids.extend(draw(st.lists(token_id, max_size=draw(mostly(st.just(3), st.just(300))))))
     p.ignore_eos = draw(st.booleans())
+    if draw(mostly(st.just(False), st.just(True))):
+        p.structured.CopyFrom(draw(structured()))
     return p
 
 

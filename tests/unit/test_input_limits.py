@@ -72,11 +72,32 @@ def chat(*contents: str, role: str = "user") -> tpb.ChatMessages:
     (request(cache_salt="s" * 257), "cache_salt is at most 256 characters"),
     (request(cache_salt="tenant\x00a"), "cache_salt must be printable"),
     (gpb.GenerateRequest(), "give one of prompt, chat or token_ids"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput())), "structured: set one of json_schema"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(regex="x" * 70_000))),
+     "structured output regex is 70000 bytes; at most 65536"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(regex="(a"))),
+     "(?s)sampling: structured output regex does not compile: .*unclosed group"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_schema='{"type": "strin"}'))),
+     "structured output json_schema does not compile: Invalid type: strin"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_schema="{"))), "is not valid JSON"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(grammar="start: " + "x " * 500))),
+     r"(?s)structured output grammar does not compile: .*\.\.\.$"),  # llguidance's long message, cut
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(choice=cpb.Choices()))),
+     "choice needs at least one string"),
+    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_object=False))),
+     "json_object must be true when set"),
 ])
 def test_every_limit_is_a_clear_invalid_request(req, match):
     with pytest.raises(InvalidRequest, match=match) as err:
         validate(req, LIMITS)
     assert len(str(err.value)) < 300
+
+
+def test_a_constraint_that_compiles_travels_to_the_workers():
+    structured = cpb.StructuredOutput(json_schema='{"type": "object"}')
+    valid = validate(request(sampling=cpb.SamplingParams(structured=structured)), LIMITS)
+    check_length(valid, 10, LIMITS)
+    assert valid.sampling.structured == structured
 
 
 def test_prompt_token_limits():

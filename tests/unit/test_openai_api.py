@@ -5,6 +5,7 @@ from a real tokenizer service on loopback) and the HTTP call context (``context`
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -362,6 +363,55 @@ def test_add_generation_prompt_false_needs_continue_final_message():
 
 def test_chat_needs_at_least_one_message():
     assert from_validation(shape_error(ChatCompletionRequest, messages=[])).param == "messages"
+
+
+# -- structured outputs --------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def structured_of(plan: Plan) -> cpb.StructuredOutput | None:
+    sampling = plan.choices[0].request.sampling
+    return sampling.structured if sampling.HasField("structured") else None
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     cpb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"response_format": {"type": "json_object"}}, cpb.StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": SCHEMA}, cpb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"guided_json": '{"type": "string"}'}, cpb.StructuredOutput(json_schema='{"type": "string"}')),
+    ({"guided_regex": "[a-z]+"}, cpb.StructuredOutput(regex="[a-z]+")),
+    ({"guided_choice": ["yes", "no"]}, cpb.StructuredOutput(choice=cpb.Choices(choices=["yes", "no"]))),
+    ({"guided_grammar": 'root ::= "a"'}, cpb.StructuredOutput(grammar='root ::= "a"')),
+    ({"structured_outputs": {"json": SCHEMA}}, cpb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"structured_outputs": {"choice": ["x"]}}, cpb.StructuredOutput(choice=cpb.Choices(choices=["x"]))),
+    ({"structured_outputs": {"json_object": True}}, cpb.StructuredOutput(json_object=True)),
+    ({}, None),
+])
+def test_each_spelling_of_a_constraint_becomes_the_grpc_structured_field(fields, expected):
+    assert structured_of(chat(**fields)) == expected
+    assert structured_of(completion(**fields)) == expected
+    plan = completion(n=3, **fields)
+    assert all(c.request.sampling.structured == plan.choices[0].request.sampling.structured for c in plan.choices)
+
+
+def test_two_constraints_are_a_400_naming_them():
+    err = refused(lambda: chat(guided_regex="a+", response_format={"type": "json_object"}))
+    assert "response_format, guided_regex" in err.message and err.param == "guided_regex"
+    err = refused(lambda: completion(structured_outputs={"regex": "a", "choice": ["a"]}))
+    assert "structured_outputs.regex, structured_outputs.choice" in err.message
+
+
+def test_a_json_schema_response_format_needs_its_schema():
+    err = refused(lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "s"}}))
+    assert "json_schema.schema" in err.message and err.param == "response_format.json_schema"
+
+
+def test_an_unknown_response_format_type_is_a_shape_error():
+    assert "response_format" in str(shape_error(ChatCompletionRequest, messages=[{"role": "user", "content": "hi"}],
+                                                response_format={"type": "yaml"}))
 
 
 # -- errors --------------------------------------------------------------------------------------------

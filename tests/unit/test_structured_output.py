@@ -96,7 +96,8 @@ def test_every_schema_shape_validates_at_temperature_one(engine, tokenizer):
     ("choice", "", ("positive", "negative", "neutral \"quoted\""), lambda t: t in ("positive", "negative",
                                                                                   'neutral "quoted"')),
     ("grammar", 'start: num ("+" num)*\nnum: /[0-9]{1,3}/', (), lambda t: re.fullmatch(r"\d{1,3}(\+\d{1,3})*", t)),
-    ("grammar", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]', (), lambda t: re.fullmatch(r"\([a-c](,[a-c])*\)", t)),
+    ("grammar", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]', (),
+     lambda t: re.fullmatch(r"\([a-c](,[a-c])*\)", t)),
 ])
 def test_regex_choice_and_grammar_outputs_match(engine, tokenizer, kind, value, choices, check):
     spec = StructuredOutput(kind, value, choices)

@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=env_default("--cpu-kernels", True, bool),
                    help="on CPU, the compiled kernels (built once into $TANDEM_HOME/kernels); off: plain torch ops")
     g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=env_default("--grammar-compile-timeout-s", 10.0),
+                   help="structured outputs: a constraint that takes longer to compile is refused (INVALID_ARGUMENT)")
+    g.add_argument("--grammar-cache-size", type=int, default=env_default("--grammar-cache-size", 256),
+                   help="structured outputs: compiled constraints kept for reuse (by their text)")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -84,6 +88,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=args.cpu_kernels,
         kernel_cache_dir=str(kernels_dir()),
         num_threads=args.num_threads,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+        grammar_cache_size=args.grammar_cache_size,
     )
 
 

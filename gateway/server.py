@@ -206,6 +206,8 @@ class Gateway(gpb_grpc.GatewayServicer):
         self._active_ids.add(valid.request_id)
         if not request.request_id:  # a given one is on the span since admission
             record.attributes(**{"tandem.request_id": valid.request_id})
+        if valid.params.structured is not None:  # which constraint, never its text (a schema can be large)
+            record.attributes(**{"tandem.structured_output": valid.params.structured.kind})
         try:
             if valid.token_ids is not None:
                 prompt = valid.token_ids

@@ -39,7 +39,7 @@ from gateway.detokenizer import RemoteDetokenizer
 from gateway.generation import Backends, Clock, Generation, GenerationError, Output, Plan
 from gateway.observe import RequestRecord, Reroutes
 from gateway.stop_strings import StopMatcher
-from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_length, validate
+from gateway.validation import MAX_REQUEST_BYTES, InvalidRequest, ModelLimits, check_constraint, check_length, validate
 from gateway.workers import Resolver, WorkerPool, parse_dns, resolve_dns
 from protos import gateway_pb2 as gpb
 from protos import gateway_pb2_grpc as gpb_grpc
@@ -201,6 +201,7 @@ class Gateway(gpb_grpc.GatewayServicer):
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, "no workers are ready yet")
         clock = Clock()
         valid = validate(request, limits)
+        await check_constraint(valid)
         if valid.request_id in self._active_ids:
             raise InvalidRequest(f"request_id {valid.request_id!r} is already in flight")
         self._active_ids.add(valid.request_id)

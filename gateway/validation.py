@@ -8,6 +8,7 @@ tokenization, in ``check_length``.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import uuid
@@ -86,17 +87,25 @@ def validate(req: gpb.GenerateRequest, limits: ModelLimits) -> ValidRequest:
                              f"got {req.sampling.max_tokens}")
     if any(t >= limits.vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"sampling: stop_token_ids must be < the vocabulary size {limits.vocab_size}")
-    if params.structured is not None:
-        try:  # here, so that a constraint that cannot compile never occupies a worker
-            check_structured(params.structured)
-        except ValueError as exc:
-            raise InvalidRequest(f"sampling: {exc}") from exc
     _check_stop(req.stop)
     if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is at most {MAX_CACHE_SALT_CHARS} characters")
     if not req.cache_salt.isprintable():  # tenant salts (gateway.auth) hold a NUL no client salt can
         raise InvalidRequest("cache_salt must be printable characters (no control characters)")
     return ValidRequest(request_id, params, req.sampling.HasField("max_tokens"), list(req.stop), token_ids)
+
+
+async def check_constraint(valid: ValidRequest) -> None:
+    """Refuse a structured-output constraint that does not compile, before any worker is busy with it. In a
+    thread: a large schema takes tens of milliseconds to check (outside the GIL), and this event loop serves
+    every other stream meanwhile."""
+    spec = valid.params.structured
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(check_structured, spec)
+    except ValueError as exc:
+        raise InvalidRequest(f"sampling: {exc}") from exc
 
 
 def check_length(valid: ValidRequest, prompt_len: int, limits: ModelLimits) -> None:

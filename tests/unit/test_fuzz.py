@@ -8,13 +8,22 @@ Examples are bounded (``max_examples``) so that the file runs in well under a mi
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.validation import CHAT_ROLES, MAX_STOP_STRINGS, InvalidRequest, ModelLimits, check_length, validate
+from gateway.validation import (
+    CHAT_ROLES,
+    MAX_STOP_STRINGS,
+    InvalidRequest,
+    ModelLimits,
+    check_constraint,
+    check_length,
+    validate,
+)
 from protos import common_pb2 as cpb
 from protos import gateway_pb2 as gpb
 from protos import tokenizer_pb2 as tpb
@@ -156,6 +165,7 @@ def corrupted(draw) -> bytes:
 def test_validation_raises_only_invalid_request(req, prompt_len):
     try:
         valid = validate(req, LIMITS)
+        asyncio.run(check_constraint(valid))
         check_length(valid, prompt_len, LIMITS)
     except InvalidRequest as exc:
         assert 0 < len(str(exc)) < 600, "a rejection says why, briefly"

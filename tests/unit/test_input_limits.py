@@ -4,6 +4,7 @@ chat templates render in a sandbox that cannot read files, import or run code, n
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gateway.validation import (
     MAX_STOP_TOKEN_IDS,
     InvalidRequest,
     ModelLimits,
+    check_constraint,
     check_length,
     validate,
 )
@@ -75,13 +77,7 @@ def chat(*contents: str, role: str = "user") -> tpb.ChatMessages:
     (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput())), "structured: set one of json_schema"),
     (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(regex="x" * 70_000))),
      "structured output regex is 70000 bytes; at most 65536"),
-    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(regex="(a"))),
-     "(?s)sampling: structured output regex does not compile: .*unclosed group"),
-    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_schema='{"type": "strin"}'))),
-     "structured output json_schema does not compile: Invalid type: strin"),
     (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_schema="{"))), "is not valid JSON"),
-    (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(grammar="start: " + "x " * 500))),
-     r"(?s)structured output grammar does not compile: .*\.\.\.$"),  # llguidance's long message, cut
     (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(choice=cpb.Choices()))),
      "choice needs at least one string"),
     (request(sampling=cpb.SamplingParams(structured=cpb.StructuredOutput(json_object=False))),
@@ -93,9 +89,24 @@ def test_every_limit_is_a_clear_invalid_request(req, match):
     assert len(str(err.value)) < 300
 
 
+@pytest.mark.parametrize(("structured", "match"), [
+    (cpb.StructuredOutput(regex="(a"), "(?s)sampling: structured output regex does not compile: .*unclosed group"),
+    (cpb.StructuredOutput(json_schema='{"type": "strin"}'),
+     "structured output json_schema does not compile: Invalid type: strin"),
+    (cpb.StructuredOutput(grammar="start: " + "x " * 500),  # llguidance's long message, cut
+     r"(?s)structured output grammar does not compile: .*\.\.\.$"),
+])
+def test_a_constraint_that_does_not_compile_is_a_clear_invalid_request(structured, match):
+    valid = validate(request(sampling=cpb.SamplingParams(structured=structured)), LIMITS)
+    with pytest.raises(InvalidRequest, match=match) as err:
+        asyncio.run(check_constraint(valid))
+    assert len(str(err.value)) < 300
+
+
 def test_a_constraint_that_compiles_travels_to_the_workers():
     structured = cpb.StructuredOutput(json_schema='{"type": "object"}')
     valid = validate(request(sampling=cpb.SamplingParams(structured=structured)), LIMITS)
+    asyncio.run(check_constraint(valid))
     check_length(valid, 10, LIMITS)
     assert valid.sampling.structured == structured
 

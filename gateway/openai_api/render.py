@@ -18,6 +18,9 @@ from protos import gateway_pb2 as gpb
 FINISH = {cpb.FINISH_REASON_STOP: "stop", cpb.FINISH_REASON_LENGTH: "length",
           cpb.FINISH_REASON_GRAMMAR_ERROR: "grammar_error"}
 TIMINGS = tuple(f.name for f in cpb.Timings.DESCRIPTOR.fields)
+# JSON has no -Infinity: a token its structured-output grammar forbids (a top alternative with logprob -inf) is
+# shown with vLLM's floor instead.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(slots=True)
@@ -151,9 +154,9 @@ class Render:
         for lp in lps:
             text = self.names.text(lp.token_id)
             tokens.append(text)
-            values.append(lp.logprob)
-            top = {self.names.text(t.token_id): t.logprob for t in lp.top}
-            top.setdefault(text, lp.logprob)  # the chosen token is always named, as vLLM does
+            values.append(_finite(lp.logprob))
+            top = {self.names.text(t.token_id): _finite(t.logprob) for t in lp.top}
+            top.setdefault(text, _finite(lp.logprob))  # the chosen token is always named, as vLLM does
             tops.append(top)
             offsets.append(at)
             at += len(text)
@@ -166,7 +169,12 @@ class Render:
         return entry
 
     def _named(self, token_id: int, logprob: float) -> dict:
-        return {"token": self.names.text(token_id), "logprob": logprob, "bytes": list(self.names.raw(token_id))}
+        return {"token": self.names.text(token_id), "logprob": _finite(logprob),
+                "bytes": list(self.names.raw(token_id))}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN, never expected) -> the floor
 
 
 def _stop_reason(msg: gpb.GenerateResponse) -> str | int | None:

@@ -25,7 +25,7 @@ from tandem.bench.schemas import SCHEMAS
 from tandem.launcher import Cluster
 from tests.e2e.pipeline import Reply, call, chat_request, generate, start_cluster, wait_clean, worker_stats
 
-SEEDS = (0, 1)
+SEEDS = (0, 1, 2)
 MAX_TOKENS = 300
 
 

@@ -721,6 +721,27 @@ def test_completions_logprobs_name_tokens_and_offsets_accumulate_across_messages
     assert out["choices"][0]["text"] == "Hello world, café"
 
 
+def test_a_forbidden_alternative_shows_as_vllms_floor_not_as_infinity(tok, ids):
+    """Under a structured-output constraint the top alternatives can include tokens the grammar forbids
+    (logprob -inf on the wire): JSON has no -Infinity, so they show as -9999.0, as in vLLM."""
+    hello, world, _, _ = ids
+    msg = message("Hello", [hello], first=True, finish=cpb.FINISH_REASON_STOP, completion_tokens=1,
+                  logprobs=[lp(hello, 0.0, 1, (hello, 0.0), (world, float("-inf")))])
+
+    async def test(names: TokenNames) -> tuple[dict, dict]:
+        completion_render = Render(completion(logprobs=2), "completion", "m", "", names)
+        chat_render = Render(chat(logprobs=True, top_logprobs=2), "chat", "m", "", names)
+        for render in (completion_render, chat_render):
+            render.keep(await render.absorb(0, msg), msg)
+        return completion_render.response({}), chat_render.response({})
+
+    text, chat_out = with_names(tok, test)
+    assert text["choices"][0]["logprobs"]["top_logprobs"] == [{"Hello": 0.0, " world": -9999.0}]
+    top = chat_out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in top] == [0.0, -9999.0]
+    json.dumps(text, allow_nan=False), json.dumps(chat_out, allow_nan=False)
+
+
 def test_chat_logprobs_are_content_entries_with_token_logprob_bytes_and_top(tok, ids):
     plan = chat(stream=True, logprobs=True, top_logprobs=2)
     hello, world, comma, cafe = ids

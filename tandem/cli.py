@@ -57,23 +57,6 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--grammar", metavar="FILE|TEXT", help="the answer follows this Lark or GBNF grammar")
 
 
-def structured_output(args: argparse.Namespace):
-    """The ``engine.structured.StructuredOutput`` the structured-output flags ask for, or None; a flag's value
-    that names a file is read from it. Raises ValueError on a malformed one."""
-    from engine.structured import StructuredOutput
-
-    if args.json_object:
-        return StructuredOutput("json_object")
-    if args.choice:
-        return StructuredOutput("choice", choices=tuple(args.choice))
-    for kind, value in (("json_schema", args.json_schema), ("regex", args.regex), ("grammar", args.grammar)):
-        if value is not None:
-            path = Path(value)
-            text = path.read_text() if kind != "regex" and len(value) < 4096 and path.is_file() else value
-            return StructuredOutput(kind, text)
-    return None
-
-
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:
     """How ``tandem generate`` reaches a gateway that serves TLS."""
     g = p.add_argument_group("TLS to the gateway")
@@ -234,6 +217,7 @@ def _generate_remote(args: argparse.Namespace, address: str, tls=None) -> int:
     if tls is None and hasattr(args, "tls_ca"):
         tls = client_tls(args)
     from common.pb_convert import structured_to_pb
+    from tandem.client import structured_output
 
     spec = structured_output(args)
     request = build_request(args.prompt, raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature,

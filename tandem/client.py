@@ -12,13 +12,17 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 
 from common.service import channel
 from common.tls import ClientTLS
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutput
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
@@ -54,6 +58,23 @@ def build_request(
         request.chat.CopyFrom(tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user",
                                                                                              content=prompt)]))
     return request
+
+
+def structured_output(args: Any) -> StructuredOutput | None:
+    """The ``engine.structured.StructuredOutput`` the structured-output flags ask for, or None; a flag's value
+    that names a file is read from it. Raises ValueError on a malformed one."""
+    from engine.structured import StructuredOutput
+
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.choice:
+        return StructuredOutput("choice", choices=tuple(args.choice))
+    for kind, value in (("json_schema", args.json_schema), ("regex", args.regex), ("grammar", args.grammar)):
+        if value is not None:
+            path = Path(value)
+            text = path.read_text() if kind != "regex" and len(value) < 4096 and path.is_file() else value
+            return StructuredOutput(kind, text)
+    return None
 
 
 async def stream_generate(

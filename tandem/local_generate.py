@@ -12,7 +12,7 @@ from tokenizer_svc.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 def generate_local(args: argparse.Namespace) -> int:
     from common.engine_args import engine_config
-    from tandem.cli import structured_output
+    from tandem.client import structured_output
 
     config = engine_config(args)
     tokenizer = TextTokenizer(config.model)

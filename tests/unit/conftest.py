@@ -30,13 +30,16 @@ def _warm_caches() -> None:
     """What the code under test caches after starting a process once, done before any guard. torch's extension
     loader runs ninja and the compiler even when the build is cached: the CPU kernels (built by `make model`)
     are loaded once (``cpu_ops.load`` caches by build folder). ``platform.platform()`` (the benchmarks' JSON)
-    runs ``uname -p`` once."""
+    runs ``uname -p`` once. matplotlib's font cache (the benchmarks' plots) runs ``fc-list`` once per machine."""
     import platform
+
+    import matplotlib.font_manager
 
     from engine import cpu_ops
 
     cpu_ops.load()
     platform.platform()
+    matplotlib.font_manager.findfont("DejaVu Sans")
 
 
 @contextmanager

@@ -47,6 +47,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="structured outputs: a constraint that takes longer to compile is refused (INVALID_ARGUMENT)")
     g.add_argument("--grammar-cache-size", type=int, default=env_default("--grammar-cache-size", 256),
                    help="structured outputs: compiled constraints kept for reuse (by their text)")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (decode steps)")
+    g.add_argument("--speculative-method", default=env_default("--speculative-method", "none"),
+                   choices=["none", "ngram", "draft"],
+                   help="ngram: prompt lookup (no extra model); draft: --speculative-model proposes")
+    g.add_argument("--num-speculative-tokens", type=int, default=env_default("--num-speculative-tokens", 4),
+                   help="tokens proposed per step")
+    g.add_argument("--speculative-model", default=env_default("--speculative-model", None, str),
+                   help="draft: a smaller model's folder, of the same tokenizer")
+    g.add_argument("--prompt-lookup-min", type=int, default=env_default("--prompt-lookup-min", 2),
+                   help="ngram: the shortest suffix looked up")
+    g.add_argument("--prompt-lookup-max", type=int, default=env_default("--prompt-lookup-max", 5),
+                   help="ngram: the longest suffix looked up")
+    g.add_argument("--speculative-max-batch", type=int, default=env_default("--speculative-max-batch", 16),
+                   help="no speculation while more decodes than this run (a large batch is bound by compute)")
+    g.add_argument("--speculative-min-acceptance", type=float,
+                   default=env_default("--speculative-min-acceptance", 0.2),
+                   help="a request whose proposals are accepted less often pauses speculating, longer each time")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -90,6 +111,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         grammar_cache_size=args.grammar_cache_size,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=str(Path(args.speculative_model).expanduser()) if args.speculative_model else None,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        speculative_max_batch=args.speculative_max_batch,
+        speculative_min_acceptance=args.speculative_min_acceptance,
     )
 
 

@@ -35,6 +35,7 @@ def sampling_from_pb(p: cpb.SamplingParams, default_max_tokens: int) -> Sampling
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         structured=structured_from_pb(p.structured) if p.HasField("structured") else None,
+        speculative=p.speculative if p.HasField("speculative") else True,
         **kwargs,
     )
 
@@ -74,6 +75,7 @@ def sampling_to_pb(s: SamplingParams) -> cpb.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
+        speculative=s.speculative,
     )
     if s.seed is not None:
         p.seed = s.seed

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from common import telemetry
 from common.engine_args import add_engine_args, engine_config
@@ -232,6 +233,25 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
                     self.core.grammars.cache_hits),
             counter("tandem_grammar_errors", "Requests ended because their grammar allowed no further token",
                     stats.grammar_errors),
+            *self._spec_metrics(),
+        ]
+
+    def _spec_metrics(self) -> list[Any]:
+        """Speculative decoding, with vLLM's names; none without it."""
+        spec = self.core.spec
+        if spec is None:
+            return []
+        s = spec.stats
+        per_position = CounterMetricFamily("tandem_spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafts whose token at this position was accepted", labels=["position"])
+        for position, n in enumerate(s.accepted_per_position):
+            per_position.add_metric([str(position)], n)
+        return [
+            counter("tandem_spec_decode_num_drafts", "Verifications of a draft", s.num_drafts),
+            counter("tandem_spec_decode_num_draft_tokens", "Tokens proposed by the draft", s.num_draft_tokens),
+            counter("tandem_spec_decode_num_accepted_tokens", "Proposed tokens the target accepted",
+                    s.num_accepted_tokens),
+            per_position,
         ]
 
 

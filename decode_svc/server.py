@@ -94,7 +94,9 @@ class StreamTrace:
         self.stamps: list[float] = []
         self.start: float | None = None
         self.tokens = 0
+        self.first_tokens = 0  # in the first message: the inter-token time counts the others
         self.finish_reason = ""
+        self.spec = (0, 0)  # speculative decoding: tokens proposed, tokens accepted
         self.done = False
 
     def step(self, out: RequestOutput) -> bool:
@@ -102,7 +104,10 @@ class StreamTrace:
         first = not self.stamps
         self.stamps.append(time.monotonic())
         self.tokens += len(out.new_token_ids)
+        if first:
+            self.first_tokens = len(out.new_token_ids)
         self.finish_reason = out.finish_reason or ""
+        self.spec = (out.num_draft_tokens, out.num_accepted_tokens)
         if first and out.times is not None:
             self._first(out)
         return first
@@ -127,7 +132,12 @@ class StreamTrace:
         if gaps:
             attrs.update({f"itl_p{p}_ms": 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * p / 100))]
                           for p in (50, 90, 99)})
-            attrs["tpot_ms"] = 1000 * (self.stamps[-1] - self.stamps[0]) / len(gaps)
+            # per token, not per message: a speculative step streams several tokens in one message
+            attrs["tpot_ms"] = 1000 * (self.stamps[-1] - self.stamps[0]) / max(1, self.tokens - self.first_tokens)
+        drafted, accepted = self.spec
+        if drafted:
+            attrs.update({"tandem.spec.draft_tokens": drafted, "tandem.spec.accepted_tokens": accepted,
+                          "tandem.spec.acceptance_rate": accepted / drafted})
         end = time.monotonic()
         span = telemetry.tracer().start_span("decode.stream", context=self.ctx, attributes=attrs,
                                              start_time=telemetry.wall_ns(self.start or self.stamps[0]))

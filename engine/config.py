@@ -17,6 +17,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ROLES = ("both", "producer", "consumer")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -164,6 +165,17 @@ class EngineConfig:
     # Structured outputs: how long one grammar may take to compile, and how many compiled ones are kept.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
+    # Speculative decoding of decode steps: "none", "ngram" (prompt lookup) or "draft" (speculative_model, a
+    # smaller model of the same tokenizer); up to num_speculative_tokens per step; nobody speculates while more
+    # than speculative_max_batch decodes run, and a request whose guesses are accepted less often than
+    # speculative_min_acceptance pauses.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    speculative_model: str | None = None
+    speculative_max_batch: int = 16
+    speculative_min_acceptance: float = 0.2
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -179,6 +191,7 @@ class EngineConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self._check_speculative()
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
@@ -196,6 +209,20 @@ class EngineConfig:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method 'draft' needs speculative_model (the draft model's folder)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.speculative_max_batch < 1 or not 0 <= self.speculative_min_acceptance < 1:
+            raise ValueError("speculative_max_batch must be >= 1 and speculative_min_acceptance in [0, 1)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

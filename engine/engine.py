@@ -26,6 +26,7 @@ from engine.request import Request, RequestOptions, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, ScheduledRequest, Scheduler
+from engine.spec_decode.build import build_speculator
 from engine.stats import EngineLoad, EngineStats
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.compiler import GrammarCompiler, GrammarState
@@ -65,6 +66,7 @@ class Engine:
             config.grammar_cache_size, config.grammar_compile_timeout_s,
         )
         self._bitmask = GrammarBitmask(mc.vocab_size)
+        self.spec = build_speculator(config, self.runner.num_blocks)
         self.connector = kv_connector
         self.stats = EngineStats(prefix_cache=self.kv.stats)
         self._loads: dict[str, KVLoad] = {}
@@ -222,17 +224,47 @@ class Engine:
         if not sched:
             self.stats.last_step_overhead_s = time.perf_counter() - t0
             return []
+        if self.spec is not None:
+            self.spec.expand(sched, self.kv, self.config.max_num_batched_tokens, self.config.max_model_len)
         sampling = [s for s in sched.scheduled if s.samples]
         t1 = time.perf_counter()
         logits = self.runner.execute(sched)
-        requests = [s.request for s in sampling]
-        dead = self._constrain(logits, requests)
-        tokens, logprobs = self.sampler.sample(logits, requests)
+        tokens, logprobs, dead = self._sample(logits, sampling)
         t2 = time.perf_counter()
         outputs = self._update(sched.scheduled, sampling, tokens, logprobs, dead)
         self.stats.num_steps += 1
         self.stats.last_step_overhead_s = (t1 - t0) + (time.perf_counter() - t2)
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest]
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]], dict[int, str]]:
+        """Each sampling request's new tokens (one, or what its draft's verification kept) and their logprobs;
+        the constrained requests whose grammar allows no token, by index, with why."""
+        if not any(s.draft for s in sampling):
+            requests = [s.request for s in sampling]
+            dead = self._constrain(logits, requests)
+            tokens, logprobs = self.sampler.sample(logits, requests)
+            return [[t] for t in tokens], [[lp] for lp in logprobs], dead
+        starts, at = [], 0
+        for s in sampling:
+            starts.append(at)
+            at += 1 + len(s.draft)
+        plain = [i for i, s in enumerate(sampling) if not s.draft]
+        tokens: list[list[int]] = [[] for _ in sampling]
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in sampling]
+        dead: dict[int, str] = {}
+        if plain:
+            rows = logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
+            requests = [sampling[i].request for i in plain]
+            dead = {plain[j]: why for j, why in self._constrain(rows, requests).items()}
+            for i, t, lp in zip(plain, *self.sampler.sample(rows, requests), strict=True):
+                tokens[i], logprobs[i] = [t], [lp]
+        for i, s in enumerate(sampling):
+            if s.draft:
+                rows = logits[starts[i] : starts[i] + 1 + len(s.draft)]
+                tokens[i], logprobs[i] = self.sampler.verify(rows, s.request, s.draft)
+        return tokens, logprobs, dead
 
     def _constrain(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, str]:
         """Mask the rows of constrained requests to what their grammars allow; the rows whose grammar
@@ -280,68 +312,103 @@ class Engine:
         self,
         scheduled: list[ScheduledRequest],
         sampling: list[ScheduledRequest],
-        tokens: list[int],
-        logprobs: list[TokenLogprobs | None],
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprobs | None]],
         dead: dict[int, str],
     ) -> list[RequestOutput]:
-        bs, producer = self.config.block_size, self.role == "producer"
-        saves = producer and self.connector is not None
-        saves_generated = self.config.push_generated_blocks and self.role == "consumer" and self.connector is not None
         for s in scheduled:
-            r = s.request
-            computed = r.num_computed_tokens
-            if computed < len(r.prompt_token_ids):
-                self.stats.prompt_tokens_computed += min(s.num_tokens, len(r.prompt_token_ids) - computed)
-            r.num_computed_tokens = computed = computed + s.num_tokens
-            if computed // bs > r.num_cached_blocks:
-                self.kv.cache_computed_blocks(r)
-            if saves:
-                self._save_final_blocks(r)
-            elif saves_generated and computed // bs > r.num_saved_blocks:
-                self._save_full_blocks(r)
-        self.stats.generation_tokens += len(sampling)
+            if not s.draft:  # a verified draft advances by what it kept, once its tokens are known (below)
+                self._advance(s.request, s.num_tokens)
         now = time.monotonic()
-        max_len, running = self.config.max_model_len, RequestStatus.RUNNING
+        producer, running = self.role == "producer", RequestStatus.RUNNING
         outputs = []
-        for i, (s, token, lp) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
+        for i, (s, toks, lps) in enumerate(zip(sampling, tokens, logprobs, strict=True)):
             r = s.request
-            broken = dead.get(i) if dead else None
-            if broken is None and r.grammar is not None and not r.grammar.accept(token):
-                broken = r.grammar.error or f"token {token} does not follow the grammar"
-            if broken is None:
-                r.output_token_ids.append(token)
-                if lp is not None:
-                    r.output_logprobs.append(lp)
+            new_tokens, new_logprobs, status, broken = self._emit(r, toks, lps, dead.get(i) if dead else None)
+            self.stats.generation_tokens += len(new_tokens)
+            if s.draft:
+                self.spec.record(s, len(toks))
+                if status is None and broken is None:
+                    self._advance(r, len(new_tokens))  # the last token and the accepted draft are computed
+                    self.kv.trim(r, r.num_tokens)  # the rejected draft's slots go back
             times = None
             if r.first_token_time is None:
                 r.first_token_time = now
                 times = RequestTimes.of(r)
-            n_out, params = len(r.output_token_ids), r.params
             if broken is not None:
                 self._end_ungrammatical(r, broken)
-            elif token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
-                self._finish(r, RequestStatus.FINISHED_STOPPED)
-            elif r.grammar is not None and r.grammar.terminated:
-                self._finish(r, RequestStatus.FINISHED_STOPPED)
-            elif n_out >= params.max_tokens or n_out + len(r.prompt_token_ids) >= max_len:
-                self._finish(r, RequestStatus.FINISHED_LENGTH)
+            elif status is not None:
+                self._finish(r, status)
             elif producer:
                 self._finish(r, RequestStatus.FINISHED_PREFILLED)
             finished = r.status > running
-            new = ([token], [lp] if lp is not None else []) if broken is None else ([], [])
-            outputs.append(
-                RequestOutput(
-                    r.request_id,
-                    *new,
-                    finished,
-                    r.status.finish_reason if finished else None,
-                    len(r.prompt_token_ids),
-                    n_out,
-                    max(r.num_cached_tokens, min(r.num_external_tokens, len(r.prompt_token_ids))),
-                    times,
-                )
+            out = RequestOutput(
+                r.request_id,
+                new_tokens,
+                new_logprobs,
+                finished,
+                r.status.finish_reason if finished else None,
+                len(r.prompt_token_ids),
+                len(r.output_token_ids),
+                max(r.num_cached_tokens, min(r.num_external_tokens, len(r.prompt_token_ids))),
+                times,
             )
+            if r.spec is not None:
+                out.num_draft_tokens, out.num_accepted_tokens = r.spec.num_draft_tokens, r.spec.num_accepted_tokens
+            outputs.append(out)
         return outputs
+
+    def _advance(self, r: Request, n: int) -> None:
+        """``n`` more of the request's tokens have their KV computed: count them, register the blocks that
+        became full in the prefix cache, and hand the connector those it pushes."""
+        bs = self.config.block_size
+        computed = r.num_computed_tokens
+        if computed < len(r.prompt_token_ids):
+            self.stats.prompt_tokens_computed += min(n, len(r.prompt_token_ids) - computed)
+        r.num_computed_tokens = computed = computed + n
+        if computed // bs > r.num_cached_blocks:
+            self.kv.cache_computed_blocks(r)
+        if self.connector is None:
+            return
+        if self.role == "producer":
+            self._save_final_blocks(r)
+        elif self.role == "consumer" and self.config.push_generated_blocks and computed // bs > r.num_saved_blocks:
+            self._save_full_blocks(r)
+
+    def _emit(
+        self, r: Request, tokens: list[int], logprobs: list[TokenLogprobs | None], broken: str | None
+    ) -> tuple[list[int], list[TokenLogprobs], RequestStatus | None, str | None]:
+        """Append the sampled tokens up to the first that ends the request; what was appended, how it ends
+        (None: it goes on), and why its grammar broke (None: it did not)."""
+        new_tokens: list[int] = []
+        new_logprobs: list[TokenLogprobs] = []
+        status = None
+        for token, lp in zip(tokens, logprobs, strict=True):
+            if broken is None and r.grammar is not None and not r.grammar.accept(token):
+                broken = r.grammar.error or f"token {token} does not follow the grammar"
+            if broken is not None:
+                break
+            r.output_token_ids.append(token)
+            new_tokens.append(token)
+            if lp is not None:
+                r.output_logprobs.append(lp)
+                new_logprobs.append(lp)
+            status = self._stop_status(r, token)
+            if status is not None:
+                break
+        return new_tokens, new_logprobs, status, broken
+
+    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
+        """How the request ends with ``token`` just appended, or None if it goes on."""
+        params = r.params
+        if token in r.eos_token_ids or (params.stop_token_ids and token in params.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if r.grammar is not None and r.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED
+        n_out = len(r.output_token_ids)
+        if n_out >= params.max_tokens or n_out + len(r.prompt_token_ids) >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _end_ungrammatical(self, r: Request, why: str) -> None:
         """A constrained request that cannot go on ends here, rather than with an unconstrained token."""
@@ -376,6 +443,8 @@ class Engine:
 
     def _finish(self, r: Request, status: RequestStatus) -> None:
         self.scheduler.finish(r, status)
+        if self.spec is not None:
+            self.spec.release(r)
         self._loads.pop(r.request_id, None)
         if self.connector is not None:
             self.connector.request_finished(r)

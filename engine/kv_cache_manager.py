@@ -123,6 +123,15 @@ class KVCacheManager:
         request.block_ids.extend(blocks)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (slots of rejected speculative tokens):
+        never a registered block, since only computed tokens' blocks are registered."""
+        keep = max(self.num_blocks_needed(num_tokens), request.num_cached_blocks)
+        if len(request.block_ids) > keep:
+            extra = request.block_ids[keep:]
+            del request.block_ids[keep:]
+            self.pool.free(extra[::-1])
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:

@@ -66,17 +66,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_sampling_requests, vocab] for the requests whose step ends in a sample."""
+        """Logits for the requests whose step ends in a sample, in order: one row each, or ``1 + len(draft)``
+        rows for a request with a speculative draft (the target's distribution after each drafted token)."""
         ids, positions, spans, sample_rows = [], [], [], []
         offset = 0
         for s in sched.scheduled:
             r, start = s.request, s.request.num_computed_tokens
-            ids.extend(r.token_ids(start, start + s.num_tokens))
+            ids.extend(r.token_ids(start, start + s.num_tokens - len(s.draft)))
+            ids.extend(s.draft)
             positions.extend(range(start, start + s.num_tokens))
             spans.append((start, s.num_tokens, r.block_ids))
             offset += s.num_tokens
             if s.samples:
-                sample_rows.append(offset - 1)
+                sample_rows.extend(range(offset - 1 - len(s.draft), offset))
         meta = build_metadata(spans, self.block_size, self.device, self.attn.groups_by_length)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

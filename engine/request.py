@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.spec_decode.control import SpecState
     from engine.structured.compiler import CompiledGrammar, GrammarState
 
 
@@ -122,6 +123,7 @@ class Request:
     num_external_tokens: int = 0  # leading tokens whose KV is loaded from outside (consumer role)
     num_saved_blocks: int = 0  # leading blocks handed to the KV connector (producer role)
     grammar: GrammarState | None = None  # structured output: the matcher, advanced over every output token
+    spec: SpecState | None = None  # speculative decoding: its drafts so far, and whether it is pausing
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -190,3 +192,5 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens not computed here: cached in the engine or loaded from outside
     times: RequestTimes | None = None  # on the first output this engine produced for the request
+    num_draft_tokens: int = 0  # speculative decoding, so far in this engine: tokens proposed for it
+    num_accepted_tokens: int = 0  # and those the target accepted

@@ -32,7 +32,34 @@ class Sampler:
         ]
         return tokens, logprobs
 
-    def _sample_one(self, row: torch.Tensor, request: Request) -> int:
+    def verify(
+        self, rows: torch.Tensor, request: Request, draft: list[int]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens a speculative step emits: the target's own token at each drafted position, for as long
+        as it agrees with the draft, then the first that does not (or one past the last draft).
+
+        ``rows[i]`` is the target's distribution after the draft's first ``i`` tokens. Each position samples
+        exactly as a step without speculation would (same seeded noise), so the output is the one it would
+        have given, token for token. For a draft that proposes single tokens (both proposers draft
+        greedily, as vLLM's do), this is the standard rejection rule: the draft token is accepted with the
+        target's probability of it, and a rejection samples from the target without it.
+        """
+        rows = rows.cpu()
+        p = request.params
+        greedy = p.greedy and not p.has_penalties
+        targets = rows.argmax(dim=-1).tolist() if greedy else None
+        tokens: list[int] = []
+        for i in range(len(draft) + 1):
+            token = targets[i] if targets is not None else self._sample_one(rows[i], request, request.num_tokens + i)
+            tokens.append(token)
+            if i == len(draft) or token != draft[i]:
+                break
+        logprobs = [_logprobs(rows[i], t, p.logprobs) if p.logprobs is not None else None
+                    for i, t in enumerate(tokens)]
+        return tokens, logprobs
+
+    def _sample_one(self, row: torch.Tensor, request: Request, position: int | None = None) -> int:
+        """``position``: the number of tokens before the one sampled (default: all the request has)."""
         p = request.params
         if p.has_penalties:
             row = apply_penalties(row.clone(), request)
@@ -41,7 +68,8 @@ class Sampler:
         probs = filtered_probs(row / p.temperature, p)
         gen = self._unseeded
         if p.seed is not None:
-            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + request.num_tokens) % 2**64)
+            at = request.num_tokens if position is None else position
+            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs).exponential_(generator=gen)
         return int((probs / noise).argmax())

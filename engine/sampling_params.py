@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token only; n: chosen + top-n
     structured: StructuredOutput | None = None  # sample only what this schema / regex / choice / grammar allows
+    speculative: bool = True  # False: never speculate for this request (whatever the engine's setting)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -27,8 +27,9 @@ from engine.request_queue import make_queue
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed for it this step
+    num_tokens: int  # tokens computed for it this step (its draft included)
     samples: bool  # the step reaches the end of its known tokens, so it samples the next one
+    draft: list[int] = field(default_factory=list)  # speculative decoding: proposed tokens after its last one
 
 
 @dataclass(slots=True)

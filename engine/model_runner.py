@@ -75,7 +75,10 @@ class ModelRunner:
             ids.extend(r.token_ids(start, start + s.num_tokens - len(s.draft)))
             ids.extend(s.draft)
             positions.extend(range(start, start + s.num_tokens))
-            spans.append((start, s.num_tokens, r.block_ids))
+            if s.draft:  # each verified token attends like a decode of its own length: one batched kernel call
+                spans.extend((start + i, 1, r.block_ids) for i in range(s.num_tokens))
+            else:
+                spans.append((start, s.num_tokens, r.block_ids))
             offset += s.num_tokens
             if s.samples:
                 sample_rows.extend(range(offset - 1 - len(s.draft), offset))

@@ -5,9 +5,9 @@ its sentences about one subject), where prompt lookup finds what comes next; and
 it finds nothing and the back-off must keep the cost near zero. For each method (ngram; draft, with
 ``--draft-model``, by default the model itself, which shows the acceptance ceiling and the overhead of a
 draft as large as the target), and without speculation: single-stream decode tokens/s (time after the
-first token), and batched output tokens/s at each of ``--batch-sizes`` streams (prefill included, every
-request its fixed length: ``ignore_eos``). Acceptance rate (accepted / proposed) and mean accepted length
-(tokens per verification: accepted + 1) come from the engine's own counters.
+first token), and batched decode tokens/s at each of ``--batch-sizes`` streams (after every stream has its
+first token; every request its fixed length: ``ignore_eos``). Acceptance rate (accepted / proposed) and
+mean accepted length (tokens per verification: accepted + 1) come from the engine's own counters.
 """
 
 from __future__ import annotations
@@ -62,18 +62,24 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
 
 
 def measure(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Output tokens/s of ``prompts`` run together, and for one prompt alone its decode tokens/s after the
-    first token; the speculation counters' change over the run."""
+    """Decode tokens/s of ``prompts`` run together, from the moment every one has its first token (what
+    speculation changes; their prefills are the same either way), and the speculation counters' change."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    before = _spec_counts(engine)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    before, start, at_start = _spec_counts(engine), None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+        if start is None and all(outs.values()):
+            start, at_start, before = time.perf_counter(), sum(map(len, outs.values())), _spec_counts(engine)
     elapsed = time.perf_counter() - start
     drafts, drafted, accepted = (a - b for a, b in zip(_spec_counts(engine), before, strict=True))
-    return {"out_tok_s": sum(len(o) for o in outs) / elapsed, "drafts": drafts, "draft_tokens": drafted,
-            "accepted_tokens": accepted, "outputs": outs}
+    decoded = sum(map(len, outs.values())) - at_start
+    return {"out_tok_s": decoded / elapsed, "drafts": drafts, "draft_tokens": drafted,
+            "accepted_tokens": accepted, "outputs": [outs[i] for i in ids]}
 
 
 def single_decode(engine, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
@@ -174,7 +180,7 @@ def format_table(rows: list[dict], sizes: list[int]) -> str:
         return "-" if v is None else fmt.format(v)
 
     head = ("| method | workload | 1-stream decode tok/s (off) | ratio | "
-            + " | ".join(f"batch {s} tok/s | ratio" for s in sizes)
+            + " | ".join(f"batch {s} decode tok/s | ratio" for s in sizes)
             + " | acceptance | mean accepted length | same tokens |")
     lines = [head, "|" + "---|" * (7 + 2 * len(sizes))]
     for r in rows:

@@ -31,6 +31,8 @@ BENCHES = {
               "request rates; latency percentiles, throughput, goodput, plots", False),
     "compare": ("tandem.bench.compare", "aggregated against disaggregated `tandem up`, pinned to cores, "
                 "swept over request rates: one table, one plot", True),
+    "structured": ("tandem.bench.structured", "structured outputs: per-step overhead of constraints at batch "
+                   "1/8/32 against unconstrained, grammar compile times", True),
     "spec": ("tandem.bench.spec", "speculative decoding on against off (n-gram, draft): single-stream decode "
              "and batched throughput on input-grounded and random prompts, acceptance", True),
     "front": ("tandem.bench.front", "the OpenAI-compatible HTTP front against gRPC Generate on one `tandem up`, "

@@ -63,7 +63,7 @@ class Speculator:
         if not r.spec.ready():
             return 0
         room = min(p.max_tokens - len(r.output_token_ids), max_model_len - r.num_tokens) - 1
-        return max(0, min(self.num_tokens, room))
+        return max(0, min(r.spec.draft_len(self.num_tokens), room))
 
     def record(self, s: ScheduledRequest, emitted: int) -> None:
         """``emitted`` tokens came out of ``s``'s verification: all but the last were drafted and accepted."""

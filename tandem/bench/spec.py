@@ -1,8 +1,9 @@
 """``tandem bench spec``: speculative decoding on against off, in-process, in one run.
 
 Two workloads: input-grounded (the answer copies from a long prompt: repeat it, correct its typos, extract
-its sentences about one subject), where prompt lookup finds what comes next; and random prompts, where
-it finds nothing and the back-off must keep the cost near zero. For each method (ngram; draft, with
+its sentences about one subject; greedy), where prompt lookup finds what comes next; and random prompts
+sampled at temperature 1.0 (seeded), where guesses are mostly wrong and the back-off must keep the cost
+near zero. For each method (ngram; draft, with
 ``--draft-model``, by default the model itself, which shows the acceptance ceiling and the overhead of a
 draft as large as the target), and without speculation: single-stream decode tokens/s (time after the
 first token), and batched decode tokens/s at each of ``--batch-sizes`` streams (after every stream has its
@@ -61,13 +62,20 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def measure(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Decode tokens/s of ``prompts`` run together, from the moment every one has its first token (what
-    speculation changes; their prefills are the same either way), and the speculation counters' change."""
+def sampling(workload: str, output_len: int, index: int):
+    """Greedy on the input-grounded prompts; temperature 1.0, seeded, on the random ones (guesses go wrong
+    there: the back-off's case), so that outputs can still be compared with speculation off."""
     from engine import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    if workload == "random":
+        return SamplingParams(max_tokens=output_len, temperature=1.0, seed=index, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+
+def measure(engine, prompts: list[list[int]], output_len: int, workload: str = "input-grounded") -> dict:
+    """Decode tokens/s of ``prompts`` run together, from the moment every one has its first token (what
+    speculation changes; their prefills are the same either way), and the speculation counters' change."""
+    ids = [engine.add_request(p, sampling(workload, output_len, i)) for i, p in enumerate(prompts)]
     outs: dict[str, list[int]] = {i: [] for i in ids}
     before, start, at_start = _spec_counts(engine), None, 0
     while engine.has_unfinished():
@@ -82,11 +90,10 @@ def measure(engine, prompts: list[list[int]], output_len: int) -> dict:
             "accepted_tokens": accepted, "outputs": [outs[i] for i in ids]}
 
 
-def single_decode(engine, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
+def single_decode(engine, prompt: list[int], output_len: int, workload: str = "input-grounded"
+                  ) -> tuple[float, list[int]]:
     """Decode tokens/s of one stream (the time after its first token) and its tokens."""
-    from engine import SamplingParams
-
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    rid = engine.add_request(prompt, sampling(workload, output_len, 0))
     tokens: list[int] = []
     first = None
     while engine.has_unfinished():
@@ -109,11 +116,11 @@ def bench_engine(engine, workloads: dict[str, list[list[int]]], sizes: list[int]
     """Every workload: single-stream decode, then each batch size; counters summed over the workload."""
     result = {}
     for name, prompts in workloads.items():
-        tok_s, tokens = single_decode(engine, prompts[0], output_len)
+        tok_s, tokens = single_decode(engine, prompts[0], output_len, name)
         row = {"single_decode_tok_s": tok_s, "single_tokens": tokens}
         counts = [0, 0, 0]
         for size in sizes:
-            m = measure(engine, prompts[:size], output_len)
+            m = measure(engine, prompts[:size], output_len, name)
             row[f"batch{size}_out_tok_s"] = m["out_tok_s"]
             row[f"batch{size}_outputs"] = m["outputs"]
             for i, key in enumerate(("drafts", "draft_tokens", "accepted_tokens")):

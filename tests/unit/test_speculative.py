@@ -113,7 +113,7 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(plain, eng
 def test_rejected_drafts_leave_no_block_held_or_misregistered(tiny_llama, other_draft):
     """Every block comes back; a prompt that extends an earlier output reuses its registered blocks and gets
     what an engine without a cache gets (a block registered with a rejected token's KV would differ)."""
-    e = engine(tiny_llama, "draft", other_draft, num_kv_blocks=256, block_size=4)
+    e = engine(tiny_llama, "draft", other_draft, num_kv_blocks=256, block_size=4, speculative_min_acceptance=0.0)
     ps = prompts(6, seed=3)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     ids = [e.add_request(p, greedy) for p in ps]

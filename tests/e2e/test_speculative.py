@@ -125,12 +125,29 @@ def test_a_speculating_stream_continues_on_another_worker_after_a_kill(ngram, wo
             killed.append(victim)
         return False
 
-    reply = asyncio.run(call(ngram.gateway.address, request_of(prompts[0], params[0]), timeout=300,
-                             on_message=kill_its_worker))
+    req = request_of(prompts[0], params[0])
+    req.cache_salt = "kill-test"  # no worker has its blocks cached from the other tests: the survivor pulls them
+    reply = asyncio.run(call(ngram.gateway.address, req, timeout=300, on_message=kill_its_worker))
     assert killed and reply.code == grpc.StatusCode.OK, reply.details
     assert reply.tokens == expected[0]
     survivor = next(w for w in ngram.decode if w.alive)
     pulled = worker_stats(survivor.address).kv_blocks_loaded - loaded[survivor.address]
     assert pulled >= len(prompts[0]) // 16 + 2, "it pulled the prompt's and the generated blocks"
     ngram.restart(*killed)
+    # A push the dead worker had in flight holds a reservation until its TTL (30 s) expires it.
+    assert wait_clean(ngram, timeout=45) == []
+
+
+def test_a_stop_string_inside_an_accepted_draft_ends_the_stream_there(ngram, workload, tok):
+    """Several tokens arrive in one message; the gateway still cuts the text at the stop string."""
+    prompts, params, expected = workload
+    text = tok.decode(expected[0])
+    stop = "bridge"
+    assert stop in text
+    req = request_of(prompts[0], params[0])
+    req.stop.append(stop)
+    reply = asyncio.run(call(ngram.gateway.address, req, timeout=300))
+    assert reply.code == grpc.StatusCode.OK, reply.details
+    assert reply.text == text[: text.index(stop)] and reply.last.stop_reason == stop
+    assert reply.last.finish_reason == cpb.FINISH_REASON_STOP
     assert wait_clean(ngram) == []

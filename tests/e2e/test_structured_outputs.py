@@ -92,10 +92,12 @@ def test_regex_choice_grammar_and_any_object_match(cluster):
     requests += [constrained("Describe a cat in JSON.", s, json_object=True) for s in SEEDS]
     replies = asyncio.run(call_all(cluster.gateway.address, requests))
     texts = [check_ok(r) for r in replies]
-    assert all(re.fullmatch(REGEX, t) for t in texts[0:2]), texts[0:2]
-    assert all(t in CHOICES for t in texts[2:4]), texts[2:4]
-    assert all(re.fullmatch(r"[a-z]{2,6}(,[a-z]{2,6}){1,3}", t) for t in texts[4:6]), texts[4:6]
-    assert all(isinstance(json.loads(t), dict) for t in texts[6:8]), texts[6:8]
+    n = len(SEEDS)
+    regex, choice, grammar, objects = (texts[i * n : (i + 1) * n] for i in range(4))
+    assert all(re.fullmatch(REGEX, t) for t in regex), regex
+    assert all(t in CHOICES for t in choice), choice
+    assert all(re.fullmatch(r"[a-z]{2,6}(,[a-z]{2,6}){1,3}", t) for t in grammar), grammar
+    assert all(isinstance(json.loads(t), dict) for t in objects), objects
 
 
 @pytest.fixture(scope="module")

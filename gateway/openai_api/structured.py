@@ -33,42 +33,50 @@ def _response_format(body: SamplingFields) -> Found:
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return "response_format", cpb.StructuredOutput(json_object=True)
+        return "response_format", _constraint("json_object", True)
     if rf.json_schema is None or rf.json_schema.schema_ is None:
         raise bad_request("`response_format` of type json_schema needs `json_schema.schema`",
                           "response_format.json_schema")
-    return "response_format", cpb.StructuredOutput(json_schema=_schema_text(rf.json_schema.schema_))
+    return "response_format", _constraint("json_schema", rf.json_schema.schema_)
+
+
+# (field of the body, its name in errors, the constraint's kind): vLLM's guided_* fields, then its
+# structured_outputs object.
+GUIDED = (("guided_json", "guided_json", "json_schema"), ("guided_regex", "guided_regex", "regex"),
+          ("guided_choice", "guided_choice", "choice"), ("guided_grammar", "guided_grammar", "grammar"))
+STRUCTURED_OUTPUTS = (("json_", "structured_outputs.json", "json_schema"),
+                      ("regex", "structured_outputs.regex", "regex"),
+                      ("choice", "structured_outputs.choice", "choice"),
+                      ("grammar", "structured_outputs.grammar", "grammar"),
+                      ("json_object", "structured_outputs.json_object", "json_object"))
 
 
 def _guided(body: SamplingFields) -> list[Found]:
-    out: list[Found] = []
-    if body.guided_json is not None:
-        out.append(("guided_json", cpb.StructuredOutput(json_schema=_schema_text(body.guided_json))))
-    if body.guided_regex is not None:
-        out.append(("guided_regex", cpb.StructuredOutput(regex=body.guided_regex)))
-    if body.guided_choice is not None:
-        out.append(("guided_choice", cpb.StructuredOutput(choice=cpb.Choices(choices=body.guided_choice))))
-    if body.guided_grammar is not None:
-        out.append(("guided_grammar", cpb.StructuredOutput(grammar=body.guided_grammar)))
-    return out
+    return _fields(body, GUIDED)
 
 
 def _structured_outputs(body: SamplingFields) -> list[Found]:
-    so = body.structured_outputs
-    if so is None:
-        return []
+    return _fields(body.structured_outputs, STRUCTURED_OUTPUTS) if body.structured_outputs is not None else []
+
+
+def _fields(source: object, fields: tuple[tuple[str, str, str], ...]) -> list[Found]:
+    """The constraints ``source`` sets among ``fields`` (a false ``json_object`` sets none)."""
     out: list[Found] = []
-    if so.json_ is not None:
-        out.append(("structured_outputs.json", cpb.StructuredOutput(json_schema=_schema_text(so.json_))))
-    if so.regex is not None:
-        out.append(("structured_outputs.regex", cpb.StructuredOutput(regex=so.regex)))
-    if so.choice is not None:
-        out.append(("structured_outputs.choice", cpb.StructuredOutput(choice=cpb.Choices(choices=so.choice))))
-    if so.grammar is not None:
-        out.append(("structured_outputs.grammar", cpb.StructuredOutput(grammar=so.grammar)))
-    if so.json_object:
-        out.append(("structured_outputs.json_object", cpb.StructuredOutput(json_object=True)))
+    for attr, name, kind in fields:
+        value = getattr(source, attr)
+        if value is not None and value is not False:
+            out.append((name, _constraint(kind, value)))
     return out
+
+
+def _constraint(kind: str, value: Any) -> cpb.StructuredOutput:
+    if kind == "json_schema":
+        return cpb.StructuredOutput(json_schema=_schema_text(value))
+    if kind == "choice":
+        return cpb.StructuredOutput(choice=cpb.Choices(choices=value))
+    if kind == "json_object":
+        return cpb.StructuredOutput(json_object=True)
+    return cpb.StructuredOutput(**{kind: value})
 
 
 def _schema_text(schema: dict[str, Any] | str | bool) -> str:

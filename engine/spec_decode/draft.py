@@ -77,7 +77,9 @@ class DraftProposer:
         fed = seq.token_ids(mirror.base, seq.num_tokens)  # drafts fed since the last sync, whatever came of them
         valid = mirror.base + _common_prefix(fed, r.token_ids(mirror.base, r.num_tokens))
         seq.num_computed_tokens = min(seq.num_computed_tokens, valid, r.num_tokens - 1)
-        seq.output_token_ids = list(r.output_token_ids)
+        keep = max(0, mirror.base - len(r.prompt_token_ids))  # outputs both have: replace only what follows
+        del seq.output_token_ids[keep:]
+        seq.output_token_ids.extend(r.output_token_ids[keep:])
         mirror.base = r.num_tokens
         if not seq.block_ids:
             if not self.kv.admit(seq, r.num_tokens, 0):

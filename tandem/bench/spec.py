@@ -141,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = TextTokenizer(model)
     base = engine_config(args)
     n = max(sizes)
-    workloads = {"input-grounded": grounded_prompts(tokenizer, n),
-                 "random": random_prompts(base.model_config.vocab_size, n, len(grounded_prompts(tokenizer, 1)[0]),
-                                          args.seed)}
+    grounded = grounded_prompts(tokenizer, n)
+    workloads = {"input-grounded": grounded,
+                 "random": random_prompts(base.model_config.vocab_size, n, len(grounded[0]), args.seed)}
     results = {}
     for method in ["none", *methods]:
         config = engine_config(args)
@@ -151,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         config.num_speculative_tokens = args.spec_tokens
         if method == "draft":
             config.speculative_model = str(args.draft_model or model)
-        config.speculative_max_batch = base.speculative_max_batch
         engine = Engine(config)
         print(f"  {method} ...", file=sys.stderr)
         results[method] = bench_engine(engine, workloads, sizes, args.output_len)

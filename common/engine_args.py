@@ -21,8 +21,13 @@ if TYPE_CHECKING:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that runs a model."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=env_default("--model", None, str), help="local Hugging Face folder "
-                   "(default: the bundled SmolLM2-135M-Instruct; env TANDEM_MODEL)")
+    g.add_argument("--model", default=env_default("--model", None, str), help="local Hugging Face folder, or a "
+                   ".gguf file beside its config.json and tokenizer (default: the bundled SmolLM2-135M-Instruct; "
+                   "env TANDEM_MODEL)")
+    g.add_argument("--quantization", default=env_default("--quantization", "auto"),
+                   choices=["auto", "none", "int8", "gguf"],
+                   help="weights: none (the checkpoint's floats), int8 (per channel, quantized at load), gguf (the "
+                   "folder's .gguf file, its Q4_0/Q4_1/Q8_0 tensors as they are); auto: what the model is")
     g.add_argument("--dtype", default=env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=env_default("--device", "cpu"))
     g.add_argument("--load-format", default=env_default("--load-format", "auto"), choices=["auto", "dummy"])
@@ -97,6 +102,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
+        quantization=args.quantization,
         kv_cache_gb=args.kv_cache_gb,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

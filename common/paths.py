@@ -25,3 +25,10 @@ def default_model_dir(home: Path | None = None) -> Path:
 def kernels_dir(home: Path | None = None) -> Path:
     """The parent of the engine's compiled CPU kernel builds (one subfolder per source and CPU)."""
     return (home or tandem_home()) / "kernels"
+
+
+def model_folder(model: str | Path) -> Path:
+    """The folder of a model given as a folder or as a ``.gguf`` file in one (config.json and the
+    tokenizer lie beside the file)."""
+    path = Path(model).expanduser()
+    return path.parent if path.suffix == ".gguf" else path

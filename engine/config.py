@@ -18,6 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ROLES = ("both", "producer", "consumer")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -140,7 +141,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 class EngineConfig:
     """How one engine runs a model: memory, batching limits, dtype and device."""
 
-    model: str
+    model: str  # a Hugging Face folder, or a .gguf file whose folder holds config.json and the tokenizer
     dtype: str = "float32"
     device: str = "cpu"
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
@@ -176,9 +177,15 @@ class EngineConfig:
     speculative_model: str | None = None
     speculative_max_batch: int = 16
     speculative_min_acceptance: float = 0.2
+    # Weights: "none" (the checkpoint's floats in dtype), "int8" (per-channel, quantized at load), "gguf" (the
+    # GGUF file's quantized tensors as they are); "auto": gguf when model is a .gguf file or a folder holding
+    # only a GGUF, else none. gguf_file is resolved from model.
+    quantization: str = "auto"
+    gguf_file: str | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._resolve_weights()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
@@ -209,6 +216,27 @@ class EngineConfig:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
+
+    def _resolve_weights(self) -> None:
+        """Split a .gguf ``model`` into its folder and file, and settle ``quantization``."""
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        path = Path(self.model)
+        if path.suffix == ".gguf":
+            if self.quantization not in ("auto", "gguf"):
+                raise ValueError(f"{path.name} is a GGUF file: its weights load with quantization 'gguf' only")
+            self.model, self.gguf_file, self.quantization = str(path.parent), str(path), "gguf"
+            return
+        if self.quantization == "auto":
+            has_gguf = path.is_dir() and any(path.glob("*.gguf"))
+            has_floats = path.is_dir() and any(path.glob("*.safetensors"))
+            self.quantization = "gguf" if has_gguf and not has_floats and self.load_format != "dummy" else "none"
+        if self.quantization == "gguf" and self.gguf_file is None:
+            found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+            if len(found) != 1:
+                raise ValueError(f"quantization 'gguf' needs exactly one .gguf file in {path} (found {len(found)}); "
+                                 "or pass the file itself as the model")
+            self.gguf_file = str(found[0])
 
     def _check_speculative(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

@@ -1,4 +1,4 @@
-"""The CPU kernels of ``engine/csrc/cpu_ops.cpp``, compiled once per machine and cached.
+"""The CPU kernels of ``engine/csrc`` (``cpu_ops.cpp``, ``quant_ops.cpp``), compiled once per machine and cached.
 
 They are built with the machine's compiler for its own instruction set (``-march=native``),
 so the build happens here rather than in a wheel: on first use, or ahead of time with
@@ -21,7 +21,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.
@@ -31,7 +31,7 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 def build_dir(cache_dir: Path | str | None = None) -> Path:
     """This source's and this CPU's build folder under ``cache_dir``."""
-    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    key = b"".join(src.read_bytes() for src in SOURCES) + " ".join(CFLAGS).encode() + _cpu_flags().encode()
     return Path(cache_dir or DEFAULT_CACHE_DIR) / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
@@ -49,7 +49,7 @@ def build(cache_dir: Path | str | None = None) -> ModuleType:
 
     path = build_dir(cache_dir)
     path.mkdir(parents=True, exist_ok=True)
-    return ext.load(name="tandem_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+    return ext.load(name="tandem_cpu_ops", sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
 
 

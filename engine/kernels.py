@@ -14,11 +14,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.quant import QuantizedWeight
+from engine.quant.reference import qlinear_dequantized
+
+Weight = torch.Tensor | QuantizedWeight
+
 
 class TorchKernels:
     name = "torch"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return qlinear_dequantized(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,6 +53,9 @@ class TorchKernels:
 
 
 SMALL_M = 16  # rows of x up to which the streaming kernel beats oneDNN's float32 GEMM (measured)
+# Rows of x up to which the integer kernel beats dequantizing the weight and running oneDNN's GEMM
+# (measured on an AVX-512 VNNI EPYC: with bfloat16 dot products the GEMM wins sooner).
+QUANT_GEMM_M = {torch.bfloat16: 64, torch.float32: 256}
 
 
 class CpuKernels(TorchKernels):
@@ -54,12 +64,19 @@ class CpuKernels(TorchKernels):
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self.qlinear(x, weight, bias)
         if x.dtype != weight.dtype:
             return F.linear(x, weight, bias)
         if x.shape[0] <= SMALL_M or (x.dtype == torch.bfloat16 and not self.ops.NATIVE_BF16):
             return self.ops.linear(x, weight, bias)
         return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
+
+    def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > QUANT_GEMM_M.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
+            return qlinear_dequantized(x, weight, bias)
+        return self.ops.qlinear(x, weight.data, weight.scale, weight.offset, weight.bits, weight.rows, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)

@@ -1,7 +1,8 @@
-"""Builds a ``LlamaModel`` from a local Hugging Face checkpoint or from random weights.
+"""Builds a ``LlamaModel`` from a local Hugging Face checkpoint, a GGUF file, or random weights.
 
-Weights are read tensor by tensor from safetensors (no transformers import), cast
-to the engine dtype, and fused (q|k|v, gate|up) once at load time.
+Weights are read tensor by tensor from safetensors (no transformers import) or from the GGUF file
+(its Q4_0 / Q4_1 / Q8_0 tensors stay quantized), cast to the engine dtype, quantized to int8 when
+asked, and fused (q|k|v, gate|up) once at load time.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from engine.block_hash import weights_digest
 from engine.config import ModelConfig
 from engine.kernels import TorchKernels
 from engine.model import LayerWeights, LlamaModel
+from engine.quant import QuantizedWeight, concat_rows, dequantize, quantize_int8
 
-Getter = Callable[[str], torch.Tensor | None]
+Weight = torch.Tensor | QuantizedWeight
+Getter = Callable[[str], Weight | None]
+# The matrices that are read once per token and so quantized (norms, biases and the embedding lookup are not).
+QUANTIZED_LINEARS = ("_proj.weight", "lm_head.weight")
 
 
 def load_model(
@@ -30,26 +35,48 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     kernels: TorchKernels | None = None,
+    quantization: str = "none",
+    gguf_file: str | Path | None = None,
 ) -> LlamaModel:
-    get = _dummy_getter(config, dtype, seed) if load_format == "dummy" else _safetensors_getter(Path(model_dir))
+    """``quantization``: "none", "int8" (per-channel, from the float checkpoint) or "gguf" (``gguf_file``)."""
+    if quantization == "gguf":
+        get = _gguf_getter(Path(gguf_file or ""), config, dtype)
+    elif load_format == "dummy":
+        get = _dummy_getter(config, dtype, seed)
+    else:
+        get = _safetensors_getter(Path(model_dir))
+    source = gguf_file if quantization == "gguf" else model_dir
 
-    def tensor(name: str, required: bool = True) -> torch.Tensor | None:
+    def tensor(name: str, required: bool = True) -> Weight | None:
         t = get(name)
         if t is None:
             if required:
-                raise ValueError(f"checkpoint at {model_dir} has no tensor {name!r}")
+                raise ValueError(f"checkpoint at {source} has no tensor {name!r}")
             return None
-        return t.to(dtype=dtype, device=device)
+        if isinstance(t, QuantizedWeight):
+            return t.to(device)
+        t = t.to(dtype=dtype, device=device)
+        return quantize_int8(t).to(device) if quantization == "int8" and name.endswith(QUANTIZED_LINEARS) else t
 
     layers = [_layer(tensor, i, config) for i in range(config.num_layers)]
     embed = tensor("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
-    if lm_head is None:
-        lm_head = embed  # checkpoints saved with tied weights sometimes omit the flag
+    lm_head = None if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
+    if lm_head is None:  # tied (checkpoints saved with tied weights sometimes omit the flag)
+        lm_head = quantize_int8(embed).to(device) if quantization == "int8" else embed
+    if isinstance(embed, QuantizedWeight):
+        embed = dequantize(embed, dtype).to(device)  # the lookup reads a few rows: only lm_head streams it
     return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels)
 
 
-def _layer(tensor: Callable[..., torch.Tensor | None], i: int, config: ModelConfig) -> LayerWeights:
+def _fuse(parts: list[Weight]) -> Weight:
+    """Row-stacked projections; quantized ones in one format (a mix with dense ones is dequantized)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return concat_rows(parts)
+    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    return torch.cat([dequantize(p, dtype).to(p.device) if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
+def _layer(tensor: Callable[..., Weight | None], i: int, config: ModelConfig) -> LayerWeights:
     p = f"model.layers.{i}."
     qkv = [tensor(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
     bias = None
@@ -57,13 +84,22 @@ def _layer(tensor: Callable[..., torch.Tensor | None], i: int, config: ModelConf
         bias = torch.cat([tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
     return LayerWeights(
         input_norm=tensor(p + "input_layernorm.weight"),
-        qkv=torch.cat(qkv),
+        qkv=_fuse(qkv),
         qkv_bias=bias,
         o_proj=tensor(p + "self_attn.o_proj.weight"),
         post_norm=tensor(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")]),
+        gate_up=_fuse([tensor(p + "mlp.gate_proj.weight"), tensor(p + "mlp.up_proj.weight")]),
         down=tensor(p + "mlp.down_proj.weight"),
     )
+
+
+def _gguf_getter(path: Path, config: ModelConfig, dtype: torch.dtype) -> Getter:
+    from engine.quant.gguf_file import GGUFWeights
+
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    weights = GGUFWeights(path, config.num_heads, config.num_kv_heads)
+    return lambda name: weights.get(name, dtype)
 
 
 def _safetensors_getter(model_dir: Path) -> Getter:
@@ -117,8 +153,14 @@ def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int) -> Getter:
     return get
 
 
-def weights_id(model_dir: str | Path, load_format: str = "auto", seed: int = 0) -> str:
-    """What tells these weights apart from others of the same shape: part of the model fingerprint."""
+def weights_id(model_dir: str | Path, load_format: str = "auto", seed: int = 0, quantization: str = "none",
+               gguf_file: str | Path | None = None) -> str:
+    """What tells these weights apart from others of the same shape: part of the model fingerprint (so a
+    quantized worker never shares KV blocks with an unquantized one)."""
+    if quantization == "gguf":
+        return "gguf:" + weights_digest([Path(gguf_file or "")])
     if load_format == "dummy":
-        return f"dummy:{seed}"
-    return weights_digest(sorted(Path(model_dir).glob("*.safetensors")))
+        base = f"dummy:{seed}"
+    else:
+        base = weights_digest(sorted(Path(model_dir).glob("*.safetensors")))
+    return f"{base}:int8" if quantization == "int8" else base

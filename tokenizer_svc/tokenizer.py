@@ -20,6 +20,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from common.paths import model_folder
+
 # Roles a chat template may be asked to render; anything else is almost surely a typo
 # that most templates would render silently as a turn of an unknown speaker.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
@@ -50,7 +52,7 @@ class TextTokenizer:
     """The model folder's tokenizer, chat template and end-of-sequence ids, loaded once."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        path = Path(model_dir)
+        path = model_folder(model_dir)  # a .gguf model: the tokenizer lies beside it
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")

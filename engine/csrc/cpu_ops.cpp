@@ -512,6 +512,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// quant_ops.cpp
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
+                      const torch::Tensor& offset, int64_t bits, int64_t N, const c10::optional<torch::Tensor>& bias);
+bool qlinear_vnni();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
   m.attr("NATIVE_BF16") = true;
@@ -524,5 +529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the leading heads of each row");
   m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
+  m.attr("QUANT_VNNI") = qlinear_vnni();
+  m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W (4 or 8 bits), int8 activations per 32-block");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

@@ -63,6 +63,7 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
+        self.quant_gemm_rows = dict(QUANT_GEMM_M)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -74,7 +75,7 @@ class CpuKernels(TorchKernels):
         return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
 
     def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > QUANT_GEMM_M.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
+        if x.shape[0] > self.quant_gemm_rows.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
             return qlinear_dequantized(x, weight, bias)
         return self.ops.qlinear(x, weight.data, weight.scale, weight.offset, weight.bits, weight.rows, bias)
 

@@ -29,7 +29,14 @@ class GGUFTensor:
 
     @property
     def type_name(self) -> str:
-        return TYPES[self.type_id][0] if self.type_id in TYPES else f"type {self.type_id}"
+        if self.type_id in TYPES:
+            return TYPES[self.type_id][0]
+        try:
+            from gguf import GGMLQuantizationType
+
+            return GGMLQuantizationType(self.type_id).name
+        except (ImportError, ValueError):
+            return f"type {self.type_id}"
 
 
 class GGUFFile:

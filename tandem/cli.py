@@ -35,6 +35,8 @@ BENCHES = {
                    "1/8/32 against unconstrained, grammar compile times", True),
     "spec": ("tandem.bench.spec", "speculative decoding on against off (n-gram, draft): single-stream decode "
              "and batched throughput on input-grounded and random prompts, acceptance", True),
+    "quant": ("tandem.bench.quant", "quantized weights (GGUF-direct, int8) against bfloat16 and llama-cpp-python "
+              "on the same GGUF: decode at 32/1024 context, prefill, batched throughput, perplexity", True),
     "front": ("tandem.bench.front", "the OpenAI-compatible HTTP front against gRPC Generate on one `tandem up`, "
               "alternating: TTFT and ITL at one stream, throughput at 32", True),
 }

@@ -77,7 +77,8 @@ class CpuKernels(TorchKernels):
     def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.quant_gemm_rows.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
             return qlinear_dequantized(x, weight, bias)
-        return self.ops.qlinear(x, weight.data, weight.scale, weight.offset, weight.bits, weight.rows, bias)
+        return self.ops.qlinear(x, weight.data, weight.scale, weight.offset, weight.zero, weight.bits, weight.rows,
+                                bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)

@@ -514,7 +514,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 // quant_ops.cpp
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
-                      const torch::Tensor& offset, int64_t bits, int64_t N, const c10::optional<torch::Tensor>& bias);
+                      const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
+                      const c10::optional<torch::Tensor>& bias);
 bool qlinear_vnni();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

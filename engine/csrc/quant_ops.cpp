@@ -1,7 +1,8 @@
 // Weight-only quantized linear layers: y = x W^T with W stored as unsigned integers in blocks of 32
-// along K, each block with a float scale and offset (w = scale * u + offset). That one form holds
-// GGUF's Q4_0 (offset -8 d), Q4_1 (offset m) and Q8_0 (u = q + 128, offset -128 d) without changing a
-// scale, and int8 per-channel weights (one scale per row).
+// along K, each block with a scale and either an offset (w = scale * u + offset) or a zero point
+// (w = scale * (u - zero)). That one form holds GGUF's Q4_0 (zero 8), Q4_1 (offset m) and Q8_0
+// (u = q + 128, zero 128) with their float16 scales as the file has them (a matmul reads no more bytes
+// than the file holds), and int8 per-channel weights (one float32 scale per row, zero 128).
 //
 // Decode reads every weight once per step, so fewer bytes per weight is speed; the dot products
 // run on integers: x is quantized per 32-block to int8 (scale d, as llama.cpp's Q8 activations),
@@ -49,14 +50,17 @@ inline uint16_t float_to_bf16(float v) {
 }
 
 struct QWeight {
-  const uint8_t* data;  // [Npad, row_bytes]
-  const float* scale;   // [Npad, nb] or [Npad, 1]
-  const float* offset;  // same shape as scale
+  const uint8_t* data;       // [Npad, row_bytes]
+  const uint16_t* scale;     // float16 [Npad, nb] (per block), or null
+  const uint16_t* offset;    // float16 [Npad, nb], or null: w = scale * (u - zero)
+  const float* row_scale;    // float32 [Npad] (per row), or null
+  float zero;
   int64_t row_bytes;
   int64_t nb;
-  bool per_row;
   int bits;
 };
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 struct QX {
   const int8_t* q;  // [M, K] interleaved
@@ -112,8 +116,8 @@ inline __m512i load_bytes(__mmask64 bm, const void* p) {
   else return _mm512_maskz_loadu_epi8(bm, p);
 }
 
-inline __m512 lane_values(const float* p, bool broadcast, __mmask16 lm) {
-  return broadcast ? _mm512_set1_ps(*p) : _mm512_maskz_loadu_ps(lm, p);
+inline __m512 load_halves(const uint16_t* p, __mmask16 lm) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p));
 }
 
 // The integer sums of chunk c: iacc[r][m] lane l = sum over block l of u * q.
@@ -174,9 +178,9 @@ void qblock(const QWeight& W, int64_t n, const QX& X, int64_t m0, float* out) {
       sx[m] = _mm512_maskz_loadu_ps(lm, X.s + (m0 + m) * X.nb + c * CHUNK);
     }
     for (int r = 0; r < QROWS; ++r) {
-      const int64_t at = W.per_row ? (n + r) : (n + r) * W.nb + c * CHUNK;
-      const __m512 ws = lane_values(W.scale + at, W.per_row, lm);
-      const __m512 wo = lane_values(W.offset + at, W.per_row, lm);
+      const int64_t at = (n + r) * W.nb + c * CHUNK;
+      const __m512 ws = W.row_scale ? _mm512_set1_ps(W.row_scale[n + r]) : load_halves(W.scale + at, lm);
+      const __m512 wo = W.offset ? load_halves(W.offset + at, lm) : _mm512_mul_ps(ws, _mm512_set1_ps(-W.zero));
       for (int m = 0; m < MT; ++m) {
         const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][m]), dx[m]);
         acc[r][m] = _mm512_fmadd_ps(wo, sx[m], _mm512_fmadd_ps(dot, ws, acc[r][m]));
@@ -209,8 +213,8 @@ void qblock(const QWeight& W, int64_t n, const QX& X, int64_t m0, float* out) {
           }
         for (int64_t l = 0; l < L; ++l) {
           const int64_t j = c * CHUNK + l;
-          const float ws = W.per_row ? W.scale[n + r] : W.scale[(n + r) * W.nb + j];
-          const float wo = W.per_row ? W.offset[n + r] : W.offset[(n + r) * W.nb + j];
+          const float ws = W.row_scale ? W.row_scale[n + r] : half_to_float(W.scale[(n + r) * W.nb + j]);
+          const float wo = W.offset ? half_to_float(W.offset[(n + r) * W.nb + j]) : ws * -W.zero;
           const float xd = X.d[(m0 + m) * X.nb + j], xs = X.s[(m0 + m) * X.nb + j];
           total += static_cast<float>(isum[l]) * xd * ws + wo * xs;
         }
@@ -248,20 +252,26 @@ void qlinear_rows(const QWeight& W, const QX& X, int64_t M, const float* bias, i
 }  // namespace
 
 // x [M, K] float32 or bfloat16 -> [M, N] in x's dtype. `data` [Npad, row_bytes] uint8 in the
-// interleaved layout, `scale` / `offset` float32 [Npad, K / 32] (or [Npad, 1]: one per row),
-// `bits` 4 or 8, `bias` float32 [N] or none, N <= Npad the real number of rows.
+// interleaved layout; `scale` float16 [Npad, K / 32] (per block) or float32 [Npad, 1] (per row);
+// `offset` float16 like a per-block scale, or none (then w = scale * (u - zero)); `bits` 4 or 8;
+// `bias` [N] or none; N <= Npad the real number of rows.
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
-                      const torch::Tensor& offset, int64_t bits, int64_t N, const c10::optional<torch::Tensor>& bias) {
+                      const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
+                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "qlinear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "qlinear: float32 or bfloat16 x");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
   TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.dim() == 2, "qlinear: data uint8 [N, B]");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && offset.scalar_type() == torch::kFloat && scale.is_contiguous() &&
-              offset.is_contiguous() && scale.sizes() == offset.sizes(), "qlinear: float32 scale and offset");
   const int64_t M = x.size(0), K = x.size(1), Npad = data.size(0), nb = K / BLOCK;
   TORCH_CHECK(K % BLOCK == 0 && data.size(1) == K * bits / 8, "qlinear: K must be a multiple of 32 matching data");
   TORCH_CHECK(Npad % QROWS == 0 && N <= Npad && N > 0, "qlinear: rows must be padded to a multiple of 4");
-  TORCH_CHECK(scale.size(0) == Npad && (scale.size(1) == nb || scale.size(1) == 1), "qlinear: scale [N, K/32] or [N, 1]");
+  const bool per_row = scale.scalar_type() == torch::kFloat;
+  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == Npad &&
+              (per_row ? scale.size(1) == 1 : scale.scalar_type() == torch::kHalf && scale.size(1) == nb),
+              "qlinear: scale float16 [N, K/32] or float32 [N, 1]");
+  const bool has_offset = offset.has_value() && offset->defined();
+  TORCH_CHECK(!has_offset || (!per_row && offset->scalar_type() == torch::kHalf && offset->is_contiguous() &&
+                              offset->sizes() == scale.sizes()), "qlinear: offset float16 shaped like the scale");
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "qlinear: bias must have one value per output");
@@ -277,8 +287,11 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
   xs.resize(M * nb);
   if (x.scalar_type() == torch::kFloat) quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
   else quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, xq.data(), xd.data(), xs.data());
-  const QWeight W{data.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), data.size(1), nb,
-                  scale.size(1) == 1 && nb != 1, static_cast<int>(bits)};
+  const QWeight W{data.data_ptr<uint8_t>(),
+                  per_row ? nullptr : reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+                  has_offset ? reinterpret_cast<const uint16_t*>(offset->data_ptr()) : nullptr,
+                  per_row ? scale.data_ptr<float>() : nullptr,
+                  static_cast<float>(zero), data.size(1), nb, static_cast<int>(bits)};
   const QX X{xq.data(), xd.data(), xs.data(), K, nb};
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool f32 = x.scalar_type() == torch::kFloat;

@@ -50,17 +50,20 @@ def gguf_name(name: str) -> str:
     raise KeyError(name)
 
 
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]  # u, scale, offset, zero, bits
+
+
 def _f16(raw: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).copy())
 
 
-def _q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """34-byte blocks: float16 d, 32 int8 q; w = d q = d (q + 128) - 128 d."""
+def _q8_0(raw: np.ndarray) -> Blocks:
+    """34-byte blocks: float16 d, 32 int8 q; w = d q = d ((q + 128) - 128)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, 34)
     d = _f16(blocks[..., :2]).view(n, -1)
     q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.int16))
-    return (q + 128).to(torch.uint8).view(n, -1), d, -128.0 * d, 8
+    return (q + 128).to(torch.uint8).view(n, -1), d, None, 128, 8
 
 
 def _nibbles(qs: np.ndarray, n: int) -> torch.Tensor:
@@ -69,21 +72,21 @@ def _nibbles(qs: np.ndarray, n: int) -> torch.Tensor:
     return torch.cat([q & 0x0F, q >> 4], dim=-1).view(n, -1)
 
 
-def _q4_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _q4_0(raw: np.ndarray) -> Blocks:
     """18-byte blocks: float16 d, 16 bytes of nibbles; w = d (q - 8)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, 18)
     d = _f16(blocks[..., :2]).view(n, -1)
-    return _nibbles(blocks[..., 2:], n), d, -8.0 * d, 4
+    return _nibbles(blocks[..., 2:], n), d, None, 8, 4
 
 
-def _q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _q4_1(raw: np.ndarray) -> Blocks:
     """20-byte blocks: float16 d, float16 m, 16 bytes of nibbles; w = d q + m."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, 20)
     d = _f16(blocks[..., :2]).view(n, -1)
     m = _f16(blocks[..., 2:4]).view(n, -1)
-    return _nibbles(blocks[..., 4:], n), d, m, 4
+    return _nibbles(blocks[..., 4:], n), d, m, 0, 4
 
 
 _BLOCK_FORMATS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
@@ -111,10 +114,10 @@ class GGUFWeights:
         self.formats[kind] = self.formats.get(kind, 0) + 1
         rows = self._row_order(t.name, t.shape[0])
         if kind in _BLOCK_FORMATS:
-            u, scale, offset, bits = _BLOCK_FORMATS[kind](np.asarray(t.data))
+            u, scale, offset, zero, bits = _BLOCK_FORMATS[kind](np.asarray(t.data))
             if rows is not None:
-                u, scale, offset = u[rows], scale[rows], offset[rows]
-            return QuantizedWeight.from_values(u, scale, offset, bits, kind.lower())
+                u, scale, offset = u[rows], scale[rows], None if offset is None else offset[rows]
+            return QuantizedWeight.from_values(u, scale, offset, zero, bits, kind.lower())
         dense = self._dense(t, kind)
         return (dense[rows] if rows is not None else dense).to(dtype)
 

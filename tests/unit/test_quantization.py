@@ -35,8 +35,7 @@ def gguf_weight(w: torch.Tensor, kind: str) -> QuantizedWeight:
     from gguf import GGMLQuantizationType, quants
 
     raw = quants.quantize(w.float().numpy(), getattr(GGMLQuantizationType, kind))
-    u, scale, offset, bits = _BLOCK_FORMATS[kind](raw)
-    return QuantizedWeight.from_values(u, scale, offset, bits, kind.lower())
+    return QuantizedWeight.from_values(*_BLOCK_FORMATS[kind](raw), kind.lower())
 
 
 def make_weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -67,7 +66,7 @@ def test_qlinear_matches_reference(ops, kind, rows, k, n, bias, dtype):
     g = torch.Generator().manual_seed(rows + k)
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g) if bias else None
-    got = ops.qlinear(x, w.data, w.scale, w.offset, w.bits, w.rows, b)
+    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, b)
     want = qlinear_reference(x, w, b)
     assert got.dtype == dtype and got.shape == (rows, n)
     if dtype == torch.float32:
@@ -81,7 +80,7 @@ def test_int8_activations_error_is_small(ops):
     scale, the size of int8 rounding of x per 32-block."""
     w = make_weight("Q4_1", 576, 1536, seed=1)
     x = torch.randn(8, 1536)
-    got = ops.qlinear(x, w.data, w.scale, w.offset, w.bits, w.rows, None)
+    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
     exact = x @ dequantize(w).T
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-2
 
@@ -90,7 +89,7 @@ def test_int8_activations_error_is_small(ops):
 @pytest.mark.parametrize("k", [32, 64, 512, 544, 1536])
 def test_pack_unpack_round_trip(bits, k):
     u = torch.randint(0, 2**bits, (6, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
-    w = QuantizedWeight.from_values(u, torch.ones(6, k // 32), torch.zeros(6, k // 32), bits, "test")
+    w = QuantizedWeight.from_values(u, torch.ones(6, k // 32, dtype=torch.float16), None, 8, bits, "test")
     assert w.data.shape == (8, k * bits // 8)  # rows padded to a multiple of 4, no padding bytes in a row
     assert torch.equal(w.values(), u)
 
@@ -99,7 +98,7 @@ def test_int8_quantizer_per_channel():
     w = torch.randn(16, 64) * torch.logspace(-3, 1, 16)[:, None]
     w[3] = 0  # an all-zero row: scale 0, no NaN
     q = quantize_int8(w)
-    assert q.scale.shape == (16, 1) and q.kind == "int8"
+    assert q.scale.shape == (16, 1) and q.kind == "int8" and q.zero == 128 and q.offset is None
     err = (dequantize(q) - w).abs()
     assert torch.all(err <= q.scale[:16] / 2 + 1e-7)
     assert torch.equal(dequantize(q)[3], torch.zeros(64))
@@ -122,13 +121,17 @@ def test_kernel_paths_agree(ops, dtype):
 def test_bad_inputs_are_refused(ops):
     w = make_weight("Q8_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.qlinear(torch.randn(1, 65), w.data, w.scale, w.offset, w.bits, w.rows, None)
+        ops.qlinear(torch.randn(1, 65), w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.qlinear(torch.randn(1, 64, dtype=torch.float64), w.data, w.scale, w.offset, w.bits, w.rows, None)
+        ops.qlinear(torch.randn(1, 64, dtype=torch.float64), w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
     with pytest.raises(RuntimeError, match="one value per output"):
-        ops.qlinear(torch.randn(1, 64), w.data, w.scale, w.offset, w.bits, w.rows, torch.ones(3))
+        ops.qlinear(torch.randn(1, 64), w.data, w.scale, w.offset, w.zero, w.bits, w.rows, torch.ones(3))
     with pytest.raises(ValueError, match="multiple of 32"):
-        QuantizedWeight.from_values(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1), 8, "x")
+        QuantizedWeight.from_values(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1), None, 128, 8, "x")
+    with pytest.raises(ValueError, match="float16 per block"):
+        QuantizedWeight.from_values(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), None, 128, 8, "x")
+    with pytest.raises(RuntimeError, match="scale float16"):
+        ops.qlinear(torch.randn(1, 64), w.data, w.scale.float(), None, 128, 8, w.rows, None)
 
 
 def first_differences(reference: Engine, prompts: list[list[int]], want: list[list[int]],

@@ -8,12 +8,12 @@
 // run on integers: x is quantized per 32-block to int8 (scale d, as llama.cpp's Q8 activations),
 // and AVX-512 VNNI multiplies 64 weight bytes by 64 activation bytes per instruction.
 //
-// Layout (what engine/quant/packing.py writes): a row's blocks go in chunks of 16, and inside a
-// chunk the bytes are interleaved so that 32-bit lane l of every vector belongs to block l:
-// step s (0..7) holds bytes 4s..4s+3 of each of the chunk's L blocks, so eight dpbusd leave the
-// 16 blocks' integer sums in 16 lanes with no horizontal reduction. 4-bit weights pack steps 2t
-// (low nibbles) and 2t+1 (high nibbles) into one byte. A row's last chunk holds only its L =
-// nb % 16 blocks, read with masked loads, so no byte is padding. x is laid out the same way.
+// Layout (what engine/quant/packing.py writes): rows in groups of 16, one per 32-bit lane. For each
+// group and block, step s (0..7) is 64 bytes: bytes 4s..4s+3 of the block of each of the 16 rows, so
+// one dpbusd against x's 4 bytes of that step (broadcast) adds to all 16 rows' sums, and after eight
+// steps the lanes hold the 16 rows' integer block sums: no horizontal reduction, no padding in K.
+// 4-bit values put step 2t in the low nibble and step 2t+1 in the high nibble of one byte. Scales
+// (and offsets) are float16 [groups, blocks, 16] in the same order.
 
 #include <torch/extension.h>
 
@@ -31,9 +31,8 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;    // weights per quantization block
-constexpr int64_t CHUNK = 16;    // blocks per interleaved chunk (one per 32-bit lane)
-constexpr int QROWS = 4;         // weight rows per kernel block (the packer pads N to a multiple)
+constexpr int64_t BLOCK = 32;  // weights per quantization block
+constexpr int64_t GROUP = 16;  // weight rows per group: one per 32-bit lane
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -48,60 +47,53 @@ inline uint16_t float_to_bf16(float v) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-
-struct QWeight {
-  const uint8_t* data;       // [Npad, row_bytes]
-  const uint16_t* scale;     // float16 [Npad, nb] (per block), or null
-  const uint16_t* offset;    // float16 [Npad, nb], or null: w = scale * (u - zero)
-  const float* row_scale;    // float32 [Npad] (per row), or null
-  float zero;
-  int64_t row_bytes;
-  int64_t nb;
-  int bits;
-};
-
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+struct QWeight {
+  const uint8_t* data;     // [groups, nb, 16 * 32 * bits / 8]
+  const uint16_t* scale;   // float16 [groups, nb, 16] (per block), or null
+  const uint16_t* offset;  // float16 [groups, nb, 16], or null: w = scale * (u - zero)
+  const float* row_scale;  // float32 [Npad] (per row), or null
+  float zero;
+  int64_t nb;
+  int bits;
+
+  int64_t block_bytes() const { return GROUP * BLOCK * bits / 8; }
+};
+
 struct QX {
-  const int8_t* q;  // [M, K] interleaved
+  const int8_t* q;  // [M, K]
   const float* d;   // [M, nb] block scales
   const float* s;   // [M, nb] d * sum(q) of each block
   int64_t K;
   int64_t nb;
 };
 
-inline int64_t chunk_lanes(int64_t nb, int64_t c) { return std::min<int64_t>(CHUNK, nb - c * CHUNK); }
-inline int64_t weight_chunk_bytes(int bits) { return CHUNK * BLOCK * bits / 8; }
-
-// Quantizes each 32-block of x to int8 (round to nearest even of x / d, d = max|x| / 127) into the
-// interleaved layout. The same arithmetic, in the same order, as engine.quant.reference.
+// Quantizes each 32-block of x to int8: d = max|x| / 127, q = x * (1 / d) rounded to nearest even.
+// The same arithmetic, in the same order, as engine.quant.reference.
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / BLOCK;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
     float vals[BLOCK];
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t j = 0; j < nb; ++j) {
-        const T* src = x + m * K + j * BLOCK;
-        float amax = 0.f;
-        for (int64_t i = 0; i < BLOCK; ++i) {
-          if constexpr (std::is_same_v<T, float>) vals[i] = src[i];
-          else vals[i] = bf16_to_float(src[i]);
-          amax = std::max(amax, std::fabs(vals[i]));
-        }
-        const float dj = amax / 127.f;
-        const float inv = dj != 0.f ? 1.f / dj : 0.f;
-        const int64_t c = j / CHUNK, l = j % CHUNK, L = chunk_lanes(nb, c);
-        int8_t* dst = q + m * K + c * CHUNK * BLOCK;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < BLOCK; ++i) {
-          const int v = static_cast<int>(std::nearbyint(vals[i] * inv));
-          sum += v;
-          dst[(i / 4) * 4 * L + l * 4 + i % 4] = static_cast<int8_t>(v);
-        }
-        d[m * nb + j] = dj;
-        s[m * nb + j] = dj * static_cast<float>(sum);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* src = x + i * BLOCK;
+      float amax = 0.f;
+      for (int64_t k = 0; k < BLOCK; ++k) {
+        if constexpr (std::is_same_v<T, float>) vals[k] = src[k];
+        else vals[k] = bf16_to_float(src[k]);
+        amax = std::max(amax, std::fabs(vals[k]));
       }
+      const float di = amax / 127.f;
+      const float inv = di != 0.f ? 1.f / di : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < BLOCK; ++k) {
+        const int v = static_cast<int>(std::nearbyint(vals[k] * inv));
+        sum += v;
+        q[i * BLOCK + k] = static_cast<int8_t>(v);
+      }
+      d[i] = di;
+      s[i] = di * static_cast<float>(sum);
     }
   });
 }
@@ -109,169 +101,160 @@ void quantize_x(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool HAVE_VNNI = true;
 
-// Full chunks use plain loads (masked byte loads are slower on some cores); the last one is masked.
-template <bool FULL>
-inline __m512i load_bytes(__mmask64 bm, const void* p) {
-  if constexpr (FULL) return _mm512_loadu_si512(p);
-  else return _mm512_maskz_loadu_epi8(bm, p);
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
 }
 
-inline __m512 load_halves(const uint16_t* p, __mmask16 lm) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, p));
-}
-
-// The integer sums of chunk c: iacc[r][m] lane l = sum over block l of u * q.
-template <int BITS, int MT, bool FULL>
-inline void chunk_sums(const QWeight& W, int64_t n, const QX& X, int64_t m0, int64_t c, int64_t L, __mmask64 bm,
-                       __m512i (&iacc)[QROWS][MT]) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const int64_t step = 4 * L;
-  for (int r = 0; r < QROWS; ++r)
-    for (int m = 0; m < MT; ++m) iacc[r][m] = _mm512_setzero_si512();
-  const int8_t* xc[MT];
-  for (int m = 0; m < MT; ++m) xc[m] = X.q + (m0 + m) * X.K + c * CHUNK * BLOCK;
-  const int64_t woff = c * weight_chunk_bytes(BITS);
-  if constexpr (BITS == 4) {
-    for (int t = 0; t < 4; ++t) {
-      __m512i xl[MT], xh[MT];
-      for (int m = 0; m < MT; ++m) {
-        xl[m] = load_bytes<FULL>(bm, xc[m] + (2 * t) * step);
-        xh[m] = load_bytes<FULL>(bm, xc[m] + (2 * t + 1) * step);
-      }
-      for (int r = 0; r < QROWS; ++r) {
-        const __m512i v = load_bytes<FULL>(bm, W.data + (n + r) * W.row_bytes + woff + t * step);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        for (int m = 0; m < MT; ++m)
-          iacc[r][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[r][m], lo, xl[m]), hi, xh[m]);
-      }
-    }
-  } else {
-    for (int s = 0; s < 8; ++s) {
-      __m512i xv[MT];
-      for (int m = 0; m < MT; ++m) xv[m] = load_bytes<FULL>(bm, xc[m] + s * step);
-      for (int r = 0; r < QROWS; ++r) {
-        const __m512i v = load_bytes<FULL>(bm, W.data + (n + r) * W.row_bytes + woff + s * step);
-        for (int m = 0; m < MT; ++m) iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], v, xv[m]);
-      }
-    }
-  }
-}
-
-// out[r * MT + m] = sum over K of w(n + r, k) * xq(m0 + m, k), for QROWS weight rows.
-template <int BITS, int MT>
-void qblock(const QWeight& W, int64_t n, const QX& X, int64_t m0, float* out) {
-  __m512 acc[QROWS][MT];
-  for (int r = 0; r < QROWS; ++r)
+// out[r][m][lane] = row (g + r) * 16 + lane of W against x row m0 + m, for R groups and MT rows of x.
+template <int BITS, int R, int MT>
+void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  const int64_t nchunks = (W.nb + CHUNK - 1) / CHUNK;
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t L = chunk_lanes(W.nb, c), step = 4 * L;
-    const __mmask64 bm = L == CHUNK ? ~0ULL : (1ULL << step) - 1;
-    const __mmask16 lm = static_cast<__mmask16>(L == CHUNK ? 0xffff : (1u << L) - 1);
-    __m512i iacc[QROWS][MT];
-    if (L == CHUNK) chunk_sums<BITS, MT, true>(W, n, X, m0, c, L, bm, iacc);
-    else chunk_sums<BITS, MT, false>(W, n, X, m0, c, L, bm, iacc);
-    __m512 dx[MT], sx[MT];
-    for (int m = 0; m < MT; ++m) {
-      dx[m] = _mm512_maskz_loadu_ps(lm, X.d + (m0 + m) * X.nb + c * CHUNK);
-      sx[m] = _mm512_maskz_loadu_ps(lm, X.s + (m0 + m) * X.nb + c * CHUNK);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t j = 0; j < W.nb; ++j) {
+    __m512i iacc[R][MT];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) iacc[r][m] = _mm512_setzero_si512();
+    const int8_t* xb[MT];
+    for (int m = 0; m < MT; ++m) xb[m] = X.q + (m0 + m) * X.K + j * BLOCK;
+    const uint8_t* wb[R];
+    for (int r = 0; r < R; ++r) wb[r] = W.data + ((g + r) * W.nb + j) * W.block_bytes();
+    if constexpr (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        __m512i lo[R], hi[R];
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(wb[r] + 64 * t);
+          lo[r] = _mm512_and_si512(v, nibble);
+          hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m512i xl = bcast4(xb[m] + 8 * t), xh = bcast4(xb[m] + 8 * t + 4);
+          for (int r = 0; r < R; ++r) iacc[r][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(iacc[r][m], lo[r], xl), hi[r], xh);
+        }
+      }
+    } else {
+      for (int s = 0; s < 8; ++s) {
+        __m512i v[R];
+        for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(wb[r] + 64 * s);
+        for (int m = 0; m < MT; ++m) {
+          const __m512i xv = bcast4(xb[m] + 4 * s);
+          for (int r = 0; r < R; ++r) iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], v[r], xv);
+        }
+      }
     }
-    for (int r = 0; r < QROWS; ++r) {
-      const int64_t at = (n + r) * W.nb + c * CHUNK;
-      const __m512 ws = W.row_scale ? _mm512_set1_ps(W.row_scale[n + r]) : load_halves(W.scale + at, lm);
-      const __m512 wo = W.offset ? load_halves(W.offset + at, lm) : _mm512_mul_ps(ws, _mm512_set1_ps(-W.zero));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = ((g + r) * W.nb + j) * GROUP;
+      const __m512 ws = W.row_scale
+          ? _mm512_loadu_ps(W.row_scale + (g + r) * GROUP)
+          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.scale + at)));
+      const __m512 wo = W.offset ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.offset + at)))
+                                 : _mm512_mul_ps(ws, _mm512_set1_ps(-W.zero));
       for (int m = 0; m < MT; ++m) {
-        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][m]), dx[m]);
-        acc[r][m] = _mm512_fmadd_ps(wo, sx[m], _mm512_fmadd_ps(dot, ws, acc[r][m]));
+        const float* dm = X.d + (m0 + m) * X.nb;
+        const float* sm = X.s + (m0 + m) * X.nb;
+        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][m]), _mm512_set1_ps(dm[j]));
+        acc[r][m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(sm[j]), _mm512_fmadd_ps(dot, ws, acc[r][m]));
       }
     }
   }
-  for (int r = 0; r < QROWS; ++r)
-    for (int m = 0; m < MT; ++m) out[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r * MT + m) * GROUP, acc[r][m]);
 }
 #else
 constexpr bool HAVE_VNNI = false;
 
-// Portable version of the same sums, in layout order (so compilers vectorise the lane loop).
-template <int BITS, int MT>
-void qblock(const QWeight& W, int64_t n, const QX& X, int64_t m0, float* out) {
-  for (int r = 0; r < QROWS; ++r)
+// Portable version of the same sums (compilers vectorise the 16-lane loops).
+template <int BITS, int R, int MT>
+void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
+  for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) {
-      const uint8_t* wrow = W.data + (n + r) * W.row_bytes;
+      float acc[GROUP] = {0.f};
       const int8_t* xrow = X.q + (m0 + m) * X.K;
-      float total = 0.f;
-      for (int64_t c = 0; c * CHUNK < W.nb; ++c) {
-        const int64_t L = chunk_lanes(W.nb, c), step = 4 * L;
-        int32_t isum[CHUNK] = {0};
-        const uint8_t* wc = wrow + c * weight_chunk_bytes(BITS);
-        const int8_t* xc = xrow + c * CHUNK * BLOCK;
+      for (int64_t j = 0; j < W.nb; ++j) {
+        const uint8_t* wb = W.data + ((g + r) * W.nb + j) * W.block_bytes();
+        int32_t isum[GROUP] = {0};
         for (int s = 0; s < 8; ++s)
-          for (int64_t i = 0; i < step; ++i) {
-            const int u = BITS == 8 ? wc[s * step + i] : (wc[(s / 2) * step + i] >> (4 * (s % 2))) & 0x0f;
-            isum[i / 4] += u * xc[s * step + i];
+          for (int64_t i = 0; i < 4 * GROUP; ++i) {
+            const int u = BITS == 8 ? wb[64 * s + i] : (wb[64 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f;
+            isum[i / 4] += u * xrow[j * BLOCK + 4 * s + i % 4];
           }
-        for (int64_t l = 0; l < L; ++l) {
-          const int64_t j = c * CHUNK + l;
-          const float ws = W.row_scale ? W.row_scale[n + r] : half_to_float(W.scale[(n + r) * W.nb + j]);
-          const float wo = W.offset ? half_to_float(W.offset[(n + r) * W.nb + j]) : ws * -W.zero;
-          const float xd = X.d[(m0 + m) * X.nb + j], xs = X.s[(m0 + m) * X.nb + j];
-          total += static_cast<float>(isum[l]) * xd * ws + wo * xs;
+        const float xd = X.d[(m0 + m) * X.nb + j], xs = X.s[(m0 + m) * X.nb + j];
+        for (int64_t l = 0; l < GROUP; ++l) {
+          const int64_t at = ((g + r) * W.nb + j) * GROUP + l;
+          const float ws = W.row_scale ? W.row_scale[(g + r) * GROUP + l] : half_to_float(W.scale[at]);
+          const float wo = W.offset ? half_to_float(W.offset[at]) : ws * -W.zero;
+          acc[l] += static_cast<float>(isum[l]) * xd * ws + wo * xs;
         }
       }
-      out[r * MT + m] = total;
+      std::copy(acc, acc + GROUP, out + (r * MT + m) * GROUP);
     }
 }
 #endif
 
-constexpr int QMAX_TILE = 2;  // rows of x per tile: 4 x 2 integer and float accumulators fit the registers
+constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 integer and 8 float accumulators)
 
-template <int BITS, typename T>
-void qlinear_rows(const QWeight& W, const QX& X, int64_t M, const float* bias, int64_t N, int64_t b0, int64_t b1,
-                  T* y) {
-  float r[QROWS * QMAX_TILE];
-  for (int64_t bi = b0; bi < b1; ++bi) {
-    const int64_t n = bi * QROWS;
-    const int rows = static_cast<int>(std::min<int64_t>(QROWS, N - n));
-    for (int64_t m0 = 0; m0 < M; m0 += QMAX_TILE) {
-      const int mt = static_cast<int>(std::min<int64_t>(QMAX_TILE, M - m0));
-      if (mt == 2) qblock<BITS, 2>(W, n, X, m0, r);
-      else qblock<BITS, 1>(W, n, X, m0, r);
-      for (int i = 0; i < rows; ++i) {
-        const float b = bias ? bias[n + i] : 0.f;
-        for (int m = 0; m < mt; ++m) {
-          const float v = r[i * mt + m] + b;
-          if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n + i] = v;
-          else y[(m0 + m) * N + n + i] = float_to_bf16(v);
-        }
-      }
+template <int BITS, int R, typename T>
+void qlinear_groups(const QWeight& W, const QX& X, int64_t M, const float* bias, int64_t N, int64_t g, T* y) {
+  float r[R * QMAX_TILE * GROUP];
+  for (int64_t m0 = 0; m0 < M; m0 += QMAX_TILE) {
+    const int mt = static_cast<int>(std::min<int64_t>(QMAX_TILE, M - m0));
+    switch (mt) {
+      case 4: qgroups<BITS, R, 4>(W, g, X, m0, r); break;
+      case 3: qgroups<BITS, R, 3>(W, g, X, m0, r); break;
+      case 2: qgroups<BITS, R, 2>(W, g, X, m0, r); break;
+      default: qgroups<BITS, R, 1>(W, g, X, m0, r); break;
     }
+    for (int gr = 0; gr < R; ++gr)
+      for (int m = 0; m < mt; ++m)
+        for (int64_t l = 0; l < GROUP; ++l) {
+          const int64_t n = (g + gr) * GROUP + l;
+          if (n >= N) break;
+          const float v = r[(gr * mt + m) * GROUP + l] + (bias ? bias[n] : 0.f);
+          if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n] = v;
+          else y[(m0 + m) * N + n] = float_to_bf16(v);
+        }
+  }
+}
+
+// Groups [p0, p1) of pairs (two groups per pass: twice the independent accumulators), the odd last one alone.
+template <int BITS, typename T>
+void qlinear_range(const QWeight& W, const QX& X, int64_t M, const float* bias, int64_t N, int64_t groups, int64_t p0,
+                   int64_t p1, T* y) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t g = 2 * p;
+    if (g + 1 < groups) qlinear_groups<BITS, 2>(W, X, M, bias, N, g, y);
+    else qlinear_groups<BITS, 1>(W, X, M, bias, N, g, y);
   }
 }
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype. `data` [Npad, row_bytes] uint8 in the
-// interleaved layout; `scale` float16 [Npad, K / 32] (per block) or float32 [Npad, 1] (per row);
-// `offset` float16 like a per-block scale, or none (then w = scale * (u - zero)); `bits` 4 or 8;
-// `bias` [N] or none; N <= Npad the real number of rows.
+// x [M, K] float32 or bfloat16 -> [M, N] in x's dtype. `data` [Npad / 16, K / 32, 16 * 32 * bits / 8]
+// uint8 in the group layout; `scale` float16 [Npad / 16, K / 32, 16] (per block) or float32 [Npad]
+// (per row); `offset` float16 like a per-block scale, or none (then w = scale * (u - zero)); `bits` 4
+// or 8; `bias` [N] or none; N <= Npad the real number of rows.
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
                       const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "qlinear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "qlinear: float32 or bfloat16 x");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
-  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.dim() == 2, "qlinear: data uint8 [N, B]");
-  const int64_t M = x.size(0), K = x.size(1), Npad = data.size(0), nb = K / BLOCK;
-  TORCH_CHECK(K % BLOCK == 0 && data.size(1) == K * bits / 8, "qlinear: K must be a multiple of 32 matching data");
-  TORCH_CHECK(Npad % QROWS == 0 && N <= Npad && N > 0, "qlinear: rows must be padded to a multiple of 4");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
+  TORCH_CHECK(K % BLOCK == 0, "qlinear: K must be a multiple of 32");
+  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.dim() == 3 && data.size(1) == nb &&
+              data.size(2) == GROUP * BLOCK * bits / 8, "qlinear: data uint8 [N / 16, K / 32, 16 * 32 * bits / 8]");
+  const int64_t groups = data.size(0), Npad = groups * GROUP;
+  TORCH_CHECK(N <= Npad && N > Npad - GROUP, "qlinear: N must fill the last group of 16 rows");
   const bool per_row = scale.scalar_type() == torch::kFloat;
-  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == Npad &&
-              (per_row ? scale.size(1) == 1 : scale.scalar_type() == torch::kHalf && scale.size(1) == nb),
-              "qlinear: scale float16 [N, K/32] or float32 [N, 1]");
+  TORCH_CHECK(scale.is_contiguous() && (per_row ? scale.numel() == Npad
+                                                : scale.scalar_type() == torch::kHalf && scale.numel() == Npad * nb),
+              "qlinear: scale float16 [N / 16, K / 32, 16] or float32 [N]");
   const bool has_offset = offset.has_value() && offset->defined();
   TORCH_CHECK(!has_offset || (!per_row && offset->scalar_type() == torch::kHalf && offset->is_contiguous() &&
-                              offset->sizes() == scale.sizes()), "qlinear: offset float16 shaped like the scale");
+                              offset->numel() == scale.numel()), "qlinear: offset float16 shaped like the scale");
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "qlinear: bias must have one value per output");
@@ -291,18 +274,18 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
                   per_row ? nullptr : reinterpret_cast<const uint16_t*>(scale.data_ptr()),
                   has_offset ? reinterpret_cast<const uint16_t*>(offset->data_ptr()) : nullptr,
                   per_row ? scale.data_ptr<float>() : nullptr,
-                  static_cast<float>(zero), data.size(1), nb, static_cast<int>(bits)};
+                  static_cast<float>(zero), nb, static_cast<int>(bits)};
   const QX X{xq.data(), xd.data(), xs.data(), K, nb};
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool f32 = x.scalar_type() == torch::kFloat;
   void* yp = y.data_ptr();
-  at::parallel_for(0, (N + QROWS - 1) / QROWS, 8, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     if (f32) {
-      if (bits == 4) qlinear_rows<4>(W, X, M, bp, N, b0, b1, static_cast<float*>(yp));
-      else qlinear_rows<8>(W, X, M, bp, N, b0, b1, static_cast<float*>(yp));
+      if (bits == 4) qlinear_range<4>(W, X, M, bp, N, groups, p0, p1, static_cast<float*>(yp));
+      else qlinear_range<8>(W, X, M, bp, N, groups, p0, p1, static_cast<float*>(yp));
     } else {
-      if (bits == 4) qlinear_rows<4>(W, X, M, bp, N, b0, b1, static_cast<uint16_t*>(yp));
-      else qlinear_rows<8>(W, X, M, bp, N, b0, b1, static_cast<uint16_t*>(yp));
+      if (bits == 4) qlinear_range<4>(W, X, M, bp, N, groups, p0, p1, static_cast<uint16_t*>(yp));
+      else qlinear_range<8>(W, X, M, bp, N, groups, p0, p1, static_cast<uint16_t*>(yp));
     }
   });
   return y;

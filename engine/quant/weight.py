@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.quant.packing import BLOCK, ROW_MULTIPLE, pack, pad_rows, unpack
+from engine.quant.packing import BLOCK, ROW_MULTIPLE, pack, pack_blocks, pad_rows, unpack, unpack_blocks
 
 
 @dataclass(frozen=True)
@@ -14,8 +14,9 @@ class QuantizedWeight:
     """w[n, k] = scale[n, k // 32] * u[n, k] + offset[n, k // 32], or scale * (u - zero) without offsets.
 
     Block formats keep GGUF's float16 scales (and Q4_1's float16 mins as ``offset``) as they are, so a matmul
-    reads the file's bytes and no more; int8 per channel has one float32 scale per row ([N, 1]). ``data`` holds
-    u in the kernel's layout; rows are padded to a multiple of 4 (zero scales), and ``rows`` is the real count.
+    reads the file's bytes and no more; int8 per channel has one float32 scale per row. ``data``, ``scale`` and
+    ``offset`` are in the kernel's layout (``engine.quant.packing``); rows are padded to a multiple of 16 (zero
+    scales), and ``rows`` is the real count.
     ``kind`` names the source format (``q4_0``, ``q4_1``, ``q8_0``, ``int8``).
     """
 
@@ -43,9 +44,9 @@ class QuantizedWeight:
             raise ValueError("scales are float16 per block (offsets too) or float32 per row (no offsets)")
         padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
         return cls(
-            data=pad_rows(pack(u.to(torch.uint8), bits), padded),
-            scale=pad_rows(scale, padded),
-            offset=None if offset is None else pad_rows(offset, padded),
+            data=pack(pad_rows(u.to(torch.uint8), padded), bits),
+            scale=pad_rows(scale, padded).view(-1) if per_row else pack_blocks(pad_rows(scale, padded)),
+            offset=None if offset is None else pack_blocks(pad_rows(offset, padded)),
             zero=zero, bits=bits, rows=n, cols=k, kind=kind,
         )
 
@@ -69,12 +70,21 @@ class QuantizedWeight:
 
     def values(self) -> torch.Tensor:
         """The unsigned values u [N, K] (padding rows dropped)."""
-        return unpack(self.data, self.cols, self.bits)[: self.rows]
+        return unpack(self.data, self.bits)[: self.rows]
+
+    def scales(self) -> torch.Tensor:
+        """Scales as given: float16 [N, K/32], or float32 [N, 1] per row."""
+        if self.per_row:
+            return self.scale[: self.rows, None]
+        return unpack_blocks(self.scale)[: self.rows]
+
+    def offsets(self) -> torch.Tensor | None:
+        return None if self.offset is None else unpack_blocks(self.offset)[: self.rows]
 
     def block_offsets(self) -> torch.Tensor:
         """The offset of every block (or row) in float32: the stored one, or -zero * scale."""
-        scale = self.scale[: self.rows].float()
-        return self.offset[: self.rows].float() if self.offset is not None else -float(self.zero) * scale
+        offsets = self.offsets()
+        return offsets.float() if offsets is not None else -float(self.zero) * self.scales().float()
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offset = None if self.offset is None else self.offset.to(device)
@@ -84,13 +94,12 @@ class QuantizedWeight:
         """The same weight as 8-bit values (exact: a 4-bit value is a valid 8-bit one)."""
         if self.bits == 8:
             return self
-        offset = None if self.offset is None else self.offset[: self.rows]
-        return QuantizedWeight.from_values(self.values(), self.scale[: self.rows], offset, self.zero, 8, self.kind)
+        return QuantizedWeight.from_values(self.values(), self.scales(), self.offsets(), self.zero, 8, self.kind)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight [N, K]: scale * u + offset in float32 (exact for GGUF's float16 scales), then cast."""
-    u, scale, offset = w.values().float(), w.scale[: w.rows].float(), w.block_offsets()
+    u, scale, offset = w.values().float(), w.scales().float(), w.block_offsets()
     if w.per_row:
         return (u * scale + offset).to(dtype)
     u = u.view(w.rows, -1, BLOCK)
@@ -108,7 +117,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     parts = [w.widened() if w.bits != bits else w for w in weights]
     kind = "+".join(sorted({w.kind for w in weights}))
     values = torch.cat([p.values() for p in parts])
-    scale = torch.cat([p.scale[: p.rows] for p in parts])
+    scale = torch.cat([p.scales() for p in parts])
     if all(p.offset is None and p.zero == parts[0].zero for p in parts):
         return QuantizedWeight.from_values(values, scale, None, parts[0].zero, bits, kind)
     if parts[0].per_row:

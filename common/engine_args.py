@@ -25,9 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    ".gguf file beside its config.json and tokenizer (default: the bundled SmolLM2-135M-Instruct; "
                    "env TANDEM_MODEL)")
     g.add_argument("--quantization", default=env_default("--quantization", "auto"),
-                   choices=["auto", "none", "int8", "gguf"],
+                   choices=["auto", "none", "int8", "gguf", "fp8"],
                    help="weights: none (the checkpoint's floats), int8 (per channel, quantized at load), gguf (the "
-                   "folder's .gguf file, its Q4_0/Q4_1/Q8_0 tensors as they are); auto: what the model is")
+                   "folder's .gguf file, its Q4_0/Q4_1/Q8_0 tensors as they are), fp8 (e4m3 per channel, CUDA GPUs "
+                   "with FP8 tensor cores); auto: what the model is")
     g.add_argument("--dtype", default=env_default("--dtype", "float32"), choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=env_default("--device", "cpu"))
     g.add_argument("--load-format", default=env_default("--load-format", "auto"), choices=["auto", "dummy"])

@@ -18,7 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ROLES = ("both", "producer", "consumer")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
-QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -178,8 +178,9 @@ class EngineConfig:
     speculative_max_batch: int = 16
     speculative_min_acceptance: float = 0.2
     # Weights: "none" (the checkpoint's floats in dtype), "int8" (per-channel, quantized at load), "gguf" (the
-    # GGUF file's quantized tensors as they are); "auto": gguf when model is a .gguf file or a folder holding
-    # only a GGUF, else none. gguf_file is resolved from model.
+    # GGUF file's quantized tensors as they are), "fp8" (e4m3 per channel, CUDA GPUs with FP8 tensor cores);
+    # "auto": gguf when model is a .gguf file or a folder holding only a GGUF, else none. gguf_file is resolved
+    # from model.
     quantization: str = "auto"
     gguf_file: str | None = None
     model_config: ModelConfig | None = field(default=None, repr=False)
@@ -231,6 +232,12 @@ class EngineConfig:
             has_gguf = path.is_dir() and any(path.glob("*.gguf"))
             has_floats = path.is_dir() and any(path.glob("*.safetensors"))
             self.quantization = "gguf" if has_gguf and not has_floats and self.load_format != "dummy" else "none"
+        if self.quantization == "fp8":
+            from engine.quant import fp8_supported
+
+            ok, why = fp8_supported(torch.device(self.device))
+            if not ok:
+                raise ValueError(f"quantization 'fp8': {why}; use int8 or gguf on this device")
         if self.quantization == "gguf" and self.gguf_file is None:
             found = sorted(path.glob("*.gguf")) if path.is_dir() else []
             if len(found) != 1:

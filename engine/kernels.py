@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.quant import QuantizedWeight
+from engine.quant import Fp8Weight, QuantizedWeight, fp8_linear
 from engine.quant.reference import qlinear_dequantized
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | Fp8Weight
 
 
 class TorchKernels:
@@ -26,6 +26,8 @@ class TorchKernels:
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return qlinear_dequantized(x, weight, bias)
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

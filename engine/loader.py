@@ -18,9 +18,10 @@ from engine.block_hash import weights_digest
 from engine.config import ModelConfig
 from engine.kernels import TorchKernels
 from engine.model import LayerWeights, LlamaModel
-from engine.quant import QuantizedWeight, concat_rows, dequantize, quantize_int8
+from engine.quant import Fp8Weight, QuantizedWeight, concat_rows, dequantize, quantize_fp8, quantize_int8
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | Fp8Weight
+QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}  # quantized at load, from the float checkpoint
 Getter = Callable[[str], Weight | None]
 # The matrices that are read once per token and so quantized (norms, biases and the embedding lookup are not).
 QUANTIZED_LINEARS = ("_proj.weight", "lm_head.weight")
@@ -38,7 +39,7 @@ def load_model(
     quantization: str = "none",
     gguf_file: str | Path | None = None,
 ) -> LlamaModel:
-    """``quantization``: "none", "int8" (per-channel, from the float checkpoint) or "gguf" (``gguf_file``)."""
+    """``quantization``: "none", "int8" / "fp8" (per-channel, from the float checkpoint) or "gguf" (``gguf_file``)."""
     if quantization == "gguf":
         get = _gguf_getter(Path(gguf_file or ""), config, dtype)
     elif load_format == "dummy":
@@ -56,13 +57,14 @@ def load_model(
         if isinstance(t, QuantizedWeight):
             return t.to(device)
         t = t.to(dtype=dtype, device=device)
-        return quantize_int8(t).to(device) if quantization == "int8" and name.endswith(QUANTIZED_LINEARS) else t
+        quantize = QUANTIZERS.get(quantization)
+        return quantize(t).to(device) if quantize and name.endswith(QUANTIZED_LINEARS) else t
 
     layers = [_layer(tensor, i, config) for i in range(config.num_layers)]
     embed = tensor("model.embed_tokens.weight")
     lm_head = None if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
     if lm_head is None:  # tied (checkpoints saved with tied weights sometimes omit the flag)
-        lm_head = quantize_int8(embed).to(device) if quantization == "int8" else embed
+        lm_head = QUANTIZERS[quantization](embed).to(device) if quantization in QUANTIZERS else embed
     if isinstance(embed, QuantizedWeight):
         embed = dequantize(embed, dtype).to(device)  # the lookup reads a few rows: only lm_head streams it
     return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels)
@@ -72,6 +74,8 @@ def _fuse(parts: list[Weight]) -> Weight:
     """Row-stacked projections; quantized ones in one format (a mix with dense ones is dequantized)."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
         return concat_rows(parts)
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        return Fp8Weight(q_t=torch.cat([p.q_t.t() for p in parts]).t(), scale=torch.cat([p.scale for p in parts]))
     dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
     return torch.cat([dequantize(p, dtype).to(p.device) if isinstance(p, QuantizedWeight) else p for p in parts])
 
@@ -163,4 +167,4 @@ def weights_id(model_dir: str | Path, load_format: str = "auto", seed: int = 0, 
         base = f"dummy:{seed}"
     else:
         base = weights_digest(sorted(Path(model_dir).glob("*.safetensors")))
-    return f"{base}:int8" if quantization == "int8" else base
+    return f"{base}:{quantization}" if quantization in QUANTIZERS else base

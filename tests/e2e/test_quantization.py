@@ -24,7 +24,8 @@ QUESTIONS = [  # the prompts of test_engine_correctness's parity test, and more 
     "Give me a short recipe for pancakes.",
     "Translate 'good morning' into Spanish.",
 ]
-MAX_GAP = 1.0  # nats: on the real model a first difference must be a near-tie of the float model
+# nats: a first difference must be a near-tie of the float model (seen: at most 0.19, the logits' spread is ~7)
+MAX_GAP = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +69,13 @@ def test_gguf_logits_close_to_transformers(default_model, prompts, record_proper
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])
 def test_greedy_equals_float_model_or_near_tie(default_model, prompts, quantization, record_property):
     """Against tandem's float32 model of the same weights (which equals transformers token for token:
-    test_engine_correctness)."""
+    test_engine_correctness). int8 activations (as llama.cpp's) tip near-ties, so most 32-token answers differ
+    somewhere; every first difference must be one, and is reported."""
     reference = Engine.from_model(str(default_model), kv_cache_gb=0.25)
     want = run_engine(reference, prompts, [32] * len(prompts))
     engine = Engine.from_model(str(default_model), kv_cache_gb=0.25, quantization=quantization)
     got = run_engine(engine, prompts, [32] * len(prompts))
     assert_greedy_equal_or_near_tie(reference, prompts, want, got, MAX_GAP, record_property)
-    assert sum(a == b for a, b in zip(want, got, strict=True)) >= len(prompts) // 2
 
 
 def test_perplexity_within_bounds_of_bfloat16(default_model, record_property):

@@ -15,7 +15,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams, cpu_ops
 from engine.kernels import CpuKernels, TorchKernels
-from engine.quant import QuantizedWeight, dequantize, quantize_int8
+from engine.quant import QuantizedWeight, dequantize, fp8_linear, fp8_supported, quantize_fp8, quantize_int8
 from engine.quant.gguf_file import _BLOCK_FORMATS, GGUFWeights
 from engine.quant.gguf_reader import GGUFFile
 from engine.quant.reference import qlinear_dequantized, qlinear_reference
@@ -280,3 +280,42 @@ def test_quantized_weights_never_share_kv_blocks(gguf_models):
               Engine.from_model(str(float_dir), num_kv_blocks=8, quantization="int8").fingerprint,
               Engine.from_model(str(gguf_dir), num_kv_blocks=8).fingerprint}
     assert len(prints) == 3
+
+
+# -- FP8 (CUDA) -----------------------------------------------------------------------------------------------
+
+def test_fp8_weights_and_scaled_mm_path():
+    """The FP8 path's arithmetic, run through torch._scaled_mm's CPU implementation: per-channel e4m3 weights
+    within e4m3's rounding, the product within its rounding of x and w."""
+    from engine.quant.fp8 import dequantize_fp8
+
+    w = torch.randn(64, 96) * torch.logspace(-2, 1, 64)[:, None]
+    q = quantize_fp8(w)
+    assert q.shape == (64, 96) and q.q_t.dtype == torch.float8_e4m3fn and q.scale.shape == (64,)
+    assert ((dequantize_fp8(q) - w).abs() <= w.abs().amax(1, keepdim=True) / 16).all()  # 3 mantissa bits
+    x = torch.randn(5, 96)
+    b = torch.randn(64)
+    want = x @ dequantize_fp8(q).T + b
+    got = fp8_linear(x, q, b)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
+    odd = quantize_fp8(torch.randn(10, 40))  # not multiples of 16: the dequantized fallback
+    torch.testing.assert_close(fp8_linear(x[:, :40], odd), x[:, :40] @ dequantize_fp8(odd).T)
+    torch.testing.assert_close(TorchKernels().linear(x, q, b), got)
+
+
+def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores(tiny_llama):
+    with pytest.raises(ValueError, match="fp8.*CUDA GPUs only"):
+        EngineConfig(model=str(tiny_llama), quantization="fp8")
+
+
+def _cuda_fp8() -> bool:
+    return torch.cuda.is_available() and fp8_supported(torch.device("cuda"))[0]
+
+
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs a CUDA GPU with FP8 tensor cores (runs wherever there is one)")
+def test_fp8_model_on_cuda_close_to_bfloat16(tiny_llama):
+    prompts = mixed_prompts(6, 256, 3, 40, seed=4)
+    reference = Engine.from_model(str(tiny_llama), num_kv_blocks=64, device="cuda", dtype="bfloat16")
+    engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64, device="cuda", dtype="bfloat16", quantization="fp8")
+    want, got = run_engine(reference, prompts, [8] * 6), run_engine(engine, prompts, [8] * 6)
+    assert_greedy_equal_or_near_tie(reference, prompts, want, got, 1.0, lambda *_: None)

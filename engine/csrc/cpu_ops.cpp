@@ -336,6 +336,59 @@ torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta,
   return norm(residual, &delta, weight, eps, "add_rms_norm_");
 }
 
+namespace {
+
+#if defined(__AVX512F__)
+// exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part constant), a degree-6 Taylor polynomial of
+// e^r on |r| <= ln2 / 2, scaled by 2^n. Within 2 ulp of expf; glibc's vector expf is only used under
+// -ffast-math, which would also reorder the reductions, so the scalar loop called expf one value at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round16(__m512 v, float) { return v; }
+// Rounds to bfloat16 (nearest even, as from_float) and back; NaN stays NaN.
+inline __m512 round16(__m512 v, bf16_t) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, rounded, v);
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16_t* p, __m512 v) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+// silu(gate) * up for the leading multiple of 16 columns; returns how many were done.
+template <typename T>
+int64_t silu_mul_vec(const T* gate, const T* up, int64_t I, T* o) {
+  int64_t c = 0;
+  for (; c + LANES <= I; c += LANES) {
+    const __m512 g = load16(gate + c);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
+    store16(o + c, _mm512_mul_ps(silu, load16(up + c)));
+  }
+  return c;
+}
+#else
+template <typename T>
+int64_t silu_mul_vec(const T*, const T*, int64_t, T*) { return 0; }
+#endif
+
+}  // namespace
+
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], SiLU rounded to the dtype first.
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   check_cpu(gate_up, "gate_up");
@@ -352,8 +405,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
         const T* gate = src + row * 2 * I;
         const T* up = gate + I;
         T* o = dst + row * I;
-#pragma omp simd
-        for (int64_t c = 0; c < I; ++c) {
+        int64_t c = silu_mul_vec(gate, up, I, o);
+        for (; c < I; ++c) {
           const float g = to_float(gate[c]);
           o[c] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[c]));
         }
@@ -465,6 +518,57 @@ void attend_one(const T* q, int64_t G, int64_t D, const T* kc, const T* vc, cons
   for (int64_t i = 0; i < G * D; ++i) out[i] = from_float<T>(acc[i]);
 }
 
+// Split-K: the part [t0, t1) of one sequence's keys for the G query heads of one K/V head, unnormalised:
+// m[g] the part's largest score, l[g] = sum of exp(score - m[g]), acc[g] = sum of exp(score - m[g]) v.
+template <typename T>
+void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
+                 int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
+                 float* acc) {
+  const int64_t n = t1 - t0;
+  std::fill(acc, acc + G * D, 0.f);
+  if (n <= 0) {
+    std::fill(m, m + G, -INFINITY);
+    std::fill(l, l + G, 0.f);
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* krow = kc + slot * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float sc = 0.f;
+#pragma omp simd reduction(+ : sc)
+      for (int64_t d = 0; d < D; ++d) sc += qg[d] * to_float(krow[d]);
+      scores[g * n + t - t0] = sc * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    m[g] = *std::max_element(sg, sg + n);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (sg[i] = std::exp(sg[i] - m[g]));
+    l[g] = sum;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* vrow = vc + slot * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t - t0];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, to_float(vrow[d]), a[d]);
+    }
+  }
+}
+
+// Parts per (sequence, K/V head) when there are too few of those to keep every thread busy (one long
+// sequence: 3 K/V heads on 2 threads leave one idle a third of the time): about 8 tasks per thread, none
+// shorter than 64 keys. 1: no split.
+int64_t attention_splits(int64_t tasks, int64_t max_len) {
+  const int64_t threads = at::get_num_threads(), target = 8 * threads;
+  if (threads < 2 || tasks >= target) return 1;
+  return std::max<int64_t>(1, std::min((target + tasks - 1) / tasks, max_len / 64));
+}
+
 }  // namespace
 
 // One query token per sequence: q [B, Hq, D] (rows may be strided), cache [2, Hkv, slots, D],
@@ -499,6 +603,40 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const T* kp = ptr<T>(cache);
     const T* vp = kp + Hkv * S * D;
     T* op = mut_ptr<T>(out);
+    const int64_t splits = attention_splits(B * Hkv, *std::max_element(lp, lp + B));
+    if (splits > 1) {
+      std::vector<float> m(B * Hkv * splits * G), l(m.size()), acc(m.size() * D);
+      at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> scores, qf(G * D);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / (Hkv * splits), h = i / splits % Hkv, part = i % splits, len = lp[b];
+          const int64_t chunk = (len + splits - 1) / splits, t0 = std::min(len, part * chunk);
+          const int64_t t1 = std::min(len, t0 + chunk);
+          const T* qh = qp + b * q_stride + h * G * D;
+          for (int64_t k = 0; k < G * D; ++k) qf[k] = to_float(qh[k]);
+          scores.resize(G * std::max<int64_t>(t1 - t0, 1));
+          attend_part<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
+                         static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
+        }
+      });
+      at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t bh = i / G, g = i % G, b = bh / Hkv, h = bh % Hkv;
+          float mx = -INFINITY, total = 0.f;
+          for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, m[(bh * splits + p) * G + g]);
+          std::vector<float> o(D, 0.f);
+          for (int64_t p = 0; p < splits; ++p) {
+            const int64_t at = (bh * splits + p) * G + g;
+            const float w = l[at] > 0.f ? std::exp(m[at] - mx) : 0.f;
+            total += w * l[at];
+            for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at * D + d];
+          }
+          T* dst = op + b * Hq * D + (h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores, acc(G * D);
       for (int64_t i = i0; i < i1; ++i) {

@@ -118,6 +118,25 @@ def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads):
     close(got, want, tol)
 
 
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("lens", [[700], [1000, 3], [130, 640, 5]])
+def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
+    """Few long sequences: each (sequence, K/V head) is split into parts across the threads and merged."""
+    cache, q, spans = _paged_case(dtype, lens, 6, 2)
+    args = (6, 2, 32, 4)
+    cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs more than one thread
+    try:
+        got = cpu.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
+    finally:
+        torch.set_num_threads(threads)
+    want = torch.empty_like(q)
+    for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
+        want[group.token_index] = ref.decode(q[group.token_index], cache, group)
+    close(got, want, tol)
+
+
 def test_paged_decode_attention_reads_strided_queries(ops):
     """The model passes q as a view into the fused qkv rows."""
     cache, q, spans = _paged_case(torch.float32, [9, 30], 6, 2)

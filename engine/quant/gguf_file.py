@@ -1,7 +1,7 @@
 """Weights of a GGUF file (llama.cpp's format) as tandem's tensors, without dequantizing.
 
-Q4_0, Q4_1 and Q8_0 tensors become ``QuantizedWeight`` with their scales and mins kept exactly (float16
-in the file, float32 here); F32 / F16 / BF16 tensors are plain tensors. Tensors in other formats (the
+Q4_0, Q4_1 and Q8_0 tensors become ``QuantizedWeight`` with their float16 scales and mins kept as they
+are; F32 / F16 / BF16 tensors are plain tensors. Tensors in other formats (the
 K-quants, ...) are dequantized with the ``gguf`` package (``pip install gguf``) into the model dtype, with
 a warning: they serve correctly but read as many bytes as an unquantized model.
 

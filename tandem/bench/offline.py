@@ -123,7 +123,10 @@ def weight_bytes(engine) -> int:
     tensors = [m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head])
     for layer in m.layers:
         tensors += [getattr(layer, n) for n in layer.__slots__ if getattr(layer, n) is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    from engine.quant import Fp8Weight, QuantizedWeight
+
+    quantized = (QuantizedWeight, Fp8Weight)  # their packed bytes and scales
+    return sum(t.nbytes if isinstance(t, quantized) else t.numel() * t.element_size() for t in tensors)
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:

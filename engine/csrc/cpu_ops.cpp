@@ -480,43 +480,6 @@ void write_kv_(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor
 
 namespace {
 
-template <typename T>
-void attend_one(const T* q, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table, int64_t block_size,
-                int64_t len, float scale, float* scores, float* acc, T* out) {
-  // q: G query heads [G, D] sharing this K/V head; kc/vc: this head's [slots, D].
-  std::vector<float> qf(G * D);
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* krow = kc + slot * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf.data() + g * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[d]);
-      scores[g * len + t] = s * scale;
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    const float mx = *std::max_element(sg, sg + len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += (sg[t] = std::exp(sg[t] - mx));
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-  }
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* vrow = vc + slot * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * len + t];
-      float* a = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, to_float(vrow[d]), a[d]);
-    }
-  }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = from_float<T>(acc[i]);
-}
 
 // Split-K: the part [t0, t1) of one sequence's keys for the G query heads of one K/V head, unnormalised:
 // m[g] the part's largest score, l[g] = sum of exp(score - m[g]), acc[g] = sum of exp(score - m[g]) v.
@@ -558,6 +521,83 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
       for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, to_float(vrow[d]), a[d]);
     }
   }
+}
+
+#if defined(__AVX512F__)
+// attend_part on 16 lanes, for head sizes that are a multiple of 16 up to 256: each key and value row is
+// loaded (and converted) once for all G query heads, softmax exponentials 16 at a time. Returns false when
+// the head size does not fit, and the caller uses the portable loops.
+template <typename T>
+bool attend_part_avx512(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
+                        int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
+                        float* acc) {
+  if (D % LANES || D > 16 * LANES) return false;
+  const int64_t n = t1 - t0, V = D / LANES;
+  std::fill(acc, acc + G * D, 0.f);
+  if (n <= 0) {
+    std::fill(m, m + G, -INFINITY);
+    std::fill(l, l + G, 0.f);
+    return true;
+  }
+  __m512 row[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* krow = kc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
+    for (int64_t v = 0; v < V; ++v) row[v] = load16(krow + v * LANES);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 dot = _mm512_mul_ps(row[0], _mm512_loadu_ps(qg));
+      for (int64_t v = 1; v < V; ++v) dot = _mm512_fmadd_ps(row[v], _mm512_loadu_ps(qg + v * LANES), dot);
+      scores[g * n + t - t0] = _mm512_reduce_add_ps(dot) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + i));
+    m[g] = _mm512_reduce_max_ps(mx);
+    const __m512 top = _mm512_set1_ps(m[g]);
+    __m512 sum = _mm512_setzero_ps();
+    for (i = 0; i + LANES <= n; i += LANES) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), top));
+      _mm512_storeu_ps(sg + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (i < n) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + i), top));
+      _mm512_mask_storeu_ps(sg + i, tail, e);
+      sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    l[g] = _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vrow = vc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
+    for (int64_t v = 0; v < V; ++v) row[v] = load16(vrow + v * LANES);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + t - t0]);
+      float* a = acc + g * D;
+      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(a + v * LANES, _mm512_fmadd_ps(p, row[v], _mm512_loadu_ps(a + v * LANES)));
+    }
+  }
+  return true;
+}
+#else
+template <typename T>
+bool attend_part_avx512(const float*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t,
+                        int64_t, float, float*, float*, float*, float*) {
+  return false;
+}
+#endif
+
+// The part [t0, t1) with the fastest loops this build has.
+template <typename T>
+void attend_range(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
+                  int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
+                  float* acc) {
+  if (!attend_part_avx512<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc))
+    attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }
 
 // Parts per (sequence, K/V head) when there are too few of those to keep every thread busy (one long
@@ -615,8 +655,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           const T* qh = qp + b * q_stride + h * G * D;
           for (int64_t k = 0; k < G * D; ++k) qf[k] = to_float(qh[k]);
           scores.resize(G * std::max<int64_t>(t1 - t0, 1));
-          attend_part<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
-                         static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
+          attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
+                          static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
         }
       });
       at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
@@ -638,12 +678,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       return;
     }
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, acc(G * D);
+      std::vector<float> scores, acc(G * D), qf(G * D), m(G), l(G);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / Hkv, h = i % Hkv, len = lp[b];
+        const T* qh = qp + b * q_stride + h * G * D;
+        for (int64_t k = 0; k < G * D; ++k) qf[k] = to_float(qh[k]);
         scores.resize(G * len);
-        attend_one<T>(qp + b * q_stride + h * G * D, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks,
-                      block_size, len, static_cast<float>(scale), scores.data(), acc.data(), op + b * Hq * D + h * G * D);
+        attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, 0, len,
+                        static_cast<float>(scale), scores.data(), m.data(), l.data(), acc.data());
+        T* dst = op + b * Hq * D + h * G * D;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(acc[g * D + d] / l[g]);
       }
     });
   });

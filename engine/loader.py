@@ -103,6 +103,9 @@ def _gguf_getter(path: Path, config: ModelConfig, dtype: torch.dtype) -> Getter:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     weights = GGUFWeights(path, config.num_heads, config.num_kv_heads)
+    weights.check({"block_count": config.num_layers, "embedding_length": config.hidden_size,
+                   "feed_forward_length": config.intermediate_size, "attention.head_count": config.num_heads,
+                   "attention.head_count_kv": config.num_kv_heads})
     return lambda name: weights.get(name, dtype)
 
 

@@ -103,6 +103,16 @@ class GGUFWeights:
                       "attn_q.bias": num_heads, "attn_k.bias": num_kv_heads}
         self.formats: dict[str, int] = {}  # GGUF type name -> tensors read in it
 
+    def check(self, expected: dict[str, int]) -> None:
+        """Refuse a GGUF whose metadata disagrees with config.json (``expected``: GGUF key suffix -> value), so a
+        mismatched pair fails at load with the field named rather than as a shape error deep in a step."""
+        arch = self.file.fields.get("general.architecture", "llama")
+        for key, want in expected.items():
+            got = self.file.fields.get(f"{arch}.{key}")
+            if got is not None and int(got) != want:
+                raise ValueError(f"{self.path.name}: {arch}.{key} is {got}, config.json says {want}; "
+                                 "the GGUF file and config.json describe different models")
+
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight | None:
         try:
             t = self.tensors.get(gguf_name(name))

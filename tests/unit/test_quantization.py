@@ -273,6 +273,20 @@ def test_quantization_setting_resolves(gguf_models, tiny_llama, tmp_path):
         Engine.from_model(str(junk / "model.gguf"), num_kv_blocks=8)
 
 
+def test_gguf_that_disagrees_with_config_is_refused(gguf_models, tmp_path):
+    import json
+
+    gguf_dir, _ = gguf_models["q4_1"]
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((gguf_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1  # the file has 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    (other / "model.gguf").symlink_to(gguf_dir / "model.gguf")
+    with pytest.raises(ValueError, match="block_count is 2, config.json says 1"):
+        Engine.from_model(str(other), num_kv_blocks=8)
+
+
 def test_quantized_weights_never_share_kv_blocks(gguf_models):
     """The fingerprint in every block key tells the three apart: their KV differs."""
     gguf_dir, float_dir = gguf_models["q4_1"]

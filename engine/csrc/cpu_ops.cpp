@@ -600,14 +600,9 @@ void attend_range(const float* qf, int64_t G, int64_t D, const T* kc, const T* v
     attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }
 
-// Parts per (sequence, K/V head) when there are too few of those to keep every thread busy (one long
-// sequence: 3 K/V heads on 2 threads leave one idle a third of the time): about 8 tasks per thread, none
-// shorter than 64 keys. 1: no split.
-int64_t attention_splits(int64_t tasks, int64_t max_len) {
-  const int64_t threads = at::get_num_threads(), target = 8 * threads;
-  if (threads < 2 || tasks >= target) return 1;
-  return std::max<int64_t>(1, std::min((target + tasks - 1) / tasks, max_len / 64));
-}
+// Keys per part of a sequence in decode attention: a 1,024-token context is 4 parts per K/V head, 12 tasks for
+// 3 heads, which 2 threads share evenly; parts are merged by their maxima and sums (split-K).
+constexpr int64_t PART_KEYS = 256;
 
 }  // namespace
 
@@ -643,52 +638,41 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const T* kp = ptr<T>(cache);
     const T* vp = kp + Hkv * S * D;
     T* op = mut_ptr<T>(out);
-    const int64_t splits = attention_splits(B * Hkv, *std::max_element(lp, lp + B));
-    if (splits > 1) {
-      std::vector<float> m(B * Hkv * splits * G), l(m.size()), acc(m.size() * D);
-      at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> scores, qf(G * D);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / (Hkv * splits), h = i / splits % Hkv, part = i % splits, len = lp[b];
-          const int64_t chunk = (len + splits - 1) / splits, t0 = std::min(len, part * chunk);
-          const int64_t t1 = std::min(len, t0 + chunk);
-          const T* qh = qp + b * q_stride + h * G * D;
-          for (int64_t k = 0; k < G * D; ++k) qf[k] = to_float(qh[k]);
-          scores.resize(G * std::max<int64_t>(t1 - t0, 1));
-          attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
-                          static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
-        }
-      });
-      at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t bh = i / G, g = i % G, b = bh / Hkv, h = bh % Hkv;
-          float mx = -INFINITY, total = 0.f;
-          for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, m[(bh * splits + p) * G + g]);
-          std::vector<float> o(D, 0.f);
-          for (int64_t p = 0; p < splits; ++p) {
-            const int64_t at = (bh * splits + p) * G + g;
-            const float w = l[at] > 0.f ? std::exp(m[at] - mx) : 0.f;
-            total += w * l[at];
-            for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at * D + d];
-          }
-          T* dst = op + b * Hq * D + (h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
-        }
-      });
-      return;
-    }
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, acc(G * D), qf(G * D), m(G), l(G);
+    // Tasks: (sequence, K/V head, part of PART_KEYS keys). Parts depend on the sequence's length only, so a
+    // sequence's result is the same in any batch; one long sequence still spreads over the threads.
+    std::vector<int64_t> first(B + 1, 0);  // the first task of each sequence
+    for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + Hkv * ((lp[b] + PART_KEYS - 1) / PART_KEYS);
+    const int64_t tasks = first[B];
+    std::vector<int64_t> seq_of(tasks);
+    for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
+    std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+    at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(G * PART_KEYS), qf(G * D);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / Hkv, h = i % Hkv, len = lp[b];
+        const int64_t b = seq_of[i], parts = (first[b + 1] - first[b]) / Hkv, k = i - first[b];
+        const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
-        for (int64_t k = 0; k < G * D; ++k) qf[k] = to_float(qh[k]);
-        scores.resize(G * len);
-        attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, 0, len,
-                        static_cast<float>(scale), scores.data(), m.data(), l.data(), acc.data());
-        T* dst = op + b * Hq * D + h * G * D;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(acc[g * D + d] / l[g]);
+        for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
+        attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
+                        static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
+      }
+    });
+    at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
+      std::vector<float> o(D);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i % G, h = i / G % Hkv, b = i / G / Hkv, parts = (first[b + 1] - first[b]) / Hkv;
+        const int64_t task0 = first[b] + h * parts;
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[(task0 + p) * G + g]);
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t at = (task0 + p) * G + g;
+          const float w = std::exp(m[at] - mx);  // 1 for a single part: its own sum, unchanged
+          total += w * l[at];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at * D + d];
+        }
+        T* dst = op + b * Hq * D + (h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
       }
     });
   });

@@ -121,7 +121,7 @@ def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads):
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("lens", [[700], [1000, 3], [130, 640, 5]])
 def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
-    """Few long sequences: each (sequence, K/V head) is split into parts across the threads and merged."""
+    """Long sequences: each (sequence, K/V head) is split into parts of 256 keys across the threads and merged."""
     cache, q, spans = _paged_case(dtype, lens, 6, 2)
     args = (6, 2, 32, 4)
     cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
@@ -135,6 +135,16 @@ def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
     for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
         want[group.token_index] = ref.decode(q[group.token_index], cache, group)
     close(got, want, tol)
+
+
+def test_paged_decode_attention_is_batch_invariant(ops):
+    """A sequence's output is bit-identical alone and in a batch (its parts depend on its length only)."""
+    cache, q, spans = _paged_case(torch.bfloat16, [700, 40, 300], 6, 2)
+    backend = CpuPagedAttentionBackend(6, 2, 32, 4, ops)
+    batch = backend.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
+    for i, span in enumerate(spans):
+        alone = backend.decode(q[i : i + 1], cache, build_metadata([span], 4, torch.device("cpu")).decodes[0])
+        assert torch.equal(alone[0], batch[i])
 
 
 def test_paged_decode_attention_reads_strided_queries(ops):

@@ -31,11 +31,13 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 def build_dir(cache_dir: Path | str | None = None) -> Path:
     """This source's and this CPU's build folder under ``cache_dir``."""
-    key = b"".join(src.read_bytes() for src in SOURCES) + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    key = b"".join(src.read_bytes() for src in SOURCES) + " ".join(CFLAGS).encode() + cpu_flags().encode()
     return Path(cache_dir or DEFAULT_CACHE_DIR) / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
+@cache
+def cpu_flags() -> str:
+    """This CPU's feature flags line of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_ops
 from engine.quant import Fp8Weight, QuantizedWeight, fp8_linear
 from engine.quant.reference import qlinear_dequantized
 
@@ -68,7 +69,7 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
-        self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if _has_amx() else QUANT_GEMM_M_VNNI)
+        self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if "amx_bf16" in cpu_ops.cpu_flags() else QUANT_GEMM_M_VNNI)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -103,14 +104,6 @@ class CpuKernels(TorchKernels):
         self.ops.rope_(qkv, *tables, num_heads, head_dim)
 
 
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line for line in f)
-    except OSError:
-        return False
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE, as in Hugging Face's Llama (not the interleaved variant)."""
     half = x.shape[-1] // 2
@@ -127,6 +120,4 @@ def load_cpu_ops(device: torch.device, enabled: bool, cache_dir: str | None) -> 
     """The compiled CPU kernels when on CPU and ``enabled`` and they build here; else None."""
     if device.type != "cpu" or not enabled:
         return None
-    from engine import cpu_ops
-
     return cpu_ops.load(cache_dir)

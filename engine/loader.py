@@ -16,11 +16,10 @@ from safetensors import safe_open
 
 from engine.block_hash import weights_digest
 from engine.config import ModelConfig
-from engine.kernels import TorchKernels
+from engine.kernels import TorchKernels, Weight
 from engine.model import LayerWeights, LlamaModel
 from engine.quant import Fp8Weight, QuantizedWeight, concat_rows, dequantize, quantize_fp8, quantize_int8
 
-Weight = torch.Tensor | QuantizedWeight | Fp8Weight
 QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}  # quantized at load, from the float checkpoint
 Getter = Callable[[str], Weight | None]
 # The matrices that are read once per token and so quantized (norms, biases and the embedding lookup are not).

@@ -6,6 +6,7 @@ Hopper, Blackwell). Activations are cast to e4m3 per call with one dynamic scale
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -45,7 +46,7 @@ class Fp8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q_t.numel() + self.scale.numel() * 4
+        return self.q_t.nbytes + self.scale.nbytes
 
     def to(self, device: torch.device | str) -> Fp8Weight:
         return replace(self, q_t=self.q_t.t().contiguous().to(device).t(), scale=self.scale.to(device))
@@ -72,9 +73,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         return torch.nn.functional.linear(x, dequantize_fp8(w, x.dtype), bias)
     x_scale = (x.abs().amax().float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     xq = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    one = torch.ones((), device=x.device)
-    out = torch._scaled_mm(xq, w.q_t, scale_a=x_scale.reshape(()), scale_b=one, out_dtype=torch.float32)
+    out = torch._scaled_mm(xq, w.q_t, scale_a=x_scale.reshape(()), scale_b=_unit(x.device), out_dtype=torch.float32)
     out = out * w.scale
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+@cache
+def _unit(device: torch.device) -> torch.Tensor:
+    """The weight operand's scale (1: its per-channel scales apply to the output), made once per device rather
+    than on every matmul."""
+    return torch.ones((), device=device)

@@ -106,11 +106,10 @@ class GGUFFile:
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         if type_id in TYPES:
             _, per_block, block_bytes = TYPES[type_id]
-            row_bytes = inner // per_block * block_bytes
         else:  # other formats are read through the gguf package (dequantized)
             from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
             per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-            row_bytes = inner // per_block * block_bytes
+        row_bytes = inner // per_block * block_bytes
         data = self._buf[start : start + rows * row_bytes].reshape(rows, row_bytes)
         return GGUFTensor(name, shape, type_id, data)

@@ -82,14 +82,20 @@ def tandem_batch(engine, work: Workload) -> float:
 
 def tandem_single(engine, prompt: list[int], new: int) -> float:
     """Decode tokens/s of one stream: (new - 1) tokens over the time after the first."""
+    return single_stream(engine, prompt, new)[1]
+
+
+def single_stream(engine, prompt: list[int], new: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tokens/s after it) of one stream."""
     from engine import SamplingParams
 
+    t0 = time.perf_counter()
     engine.add_request(prompt, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     first = None
     while engine.has_unfinished():
         engine.step()
         first = first or time.perf_counter()
-    return (new - 1) / (time.perf_counter() - first)
+    return first - t0, (new - 1) / (time.perf_counter() - first)
 
 
 def hf_batch(model, work: Workload, batch_size: int, pad_id: int) -> float:
@@ -119,14 +125,13 @@ def hf_single(model, prompt: list[int], new: int, pad_id: int) -> float:
 
 
 def weight_bytes(engine) -> int:
+    """Weight bytes one decode step reads: every matrix once, quantized ones as packed (scales included); the
+    embedding lookup reads a few rows, so a table apart from lm_head does not count."""
     m = engine.runner.model
-    tensors = [m.embed, m.norm] + ([] if m.lm_head is m.embed else [m.lm_head])
+    tensors = [m.lm_head, m.norm]
     for layer in m.layers:
         tensors += [getattr(layer, n) for n in layer.__slots__ if getattr(layer, n) is not None]
-    from engine.quant import Fp8Weight, QuantizedWeight
-
-    quantized = (QuantizedWeight, Fp8Weight)  # their packed bytes and scales
-    return sum(t.nbytes if isinstance(t, quantized) else t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:

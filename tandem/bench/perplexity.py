@@ -26,16 +26,29 @@ def text_tokens(model_dir: str | Path) -> list[int]:
 
 
 @torch.inference_mode()
-def window_nll(runner, tokens: list[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood of tokens[1:] given their prefixes, and how many were scored."""
+def window_logits(runner, tokens: list[int]) -> torch.Tensor:
+    """Logits after each of tokens[:-1] (what predicts tokens[1:]), from one prefill of the window."""
     from engine.attention import build_metadata
 
     n, bs = len(tokens), runner.block_size
     meta = build_metadata([(0, n, list(range(-(-n // bs))))], bs, runner.device, runner.attn.groups_by_length)
     ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)
     hidden = runner.model.forward(ids, torch.arange(n, device=runner.device), runner.kv_caches, meta, runner.attn)
-    logprobs = torch.log_softmax(runner.model.logits(hidden[:-1]), dim=-1)
-    return -logprobs.gather(1, ids[1:, None]).sum().item(), n - 1
+    return runner.model.logits(hidden[:-1])
+
+
+def window_nll(runner, tokens: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of tokens[1:] given their prefixes, and how many were scored."""
+    logprobs = torch.log_softmax(window_logits(runner, tokens), dim=-1)
+    targets = torch.tensor(tokens[1:], dtype=torch.long, device=logprobs.device)
+    return -logprobs.gather(1, targets[:, None]).sum().item(), len(tokens) - 1
+
+
+def integer_kernels_only(runner) -> None:
+    """Every quantized matmul through the integer kernel decode steps use, at any row count (CPU kernels only)."""
+    kernels = runner.model.kernels
+    if hasattr(kernels, "quant_gemm_rows"):
+        kernels.quant_gemm_rows = dict.fromkeys(kernels.quant_gemm_rows, 1 << 30)
 
 
 def perplexity(config, tokens: list[int], window: int = 512, decode_kernels: bool = False) -> float:
@@ -43,8 +56,8 @@ def perplexity(config, tokens: list[int], window: int = 512, decode_kernels: boo
     from engine.model_runner import ModelRunner
 
     runner = ModelRunner(replace(config, num_kv_blocks=-(-window // config.block_size)))
-    if decode_kernels and hasattr(runner.model.kernels, "quant_gemm_rows"):
-        runner.model.kernels.quant_gemm_rows = dict.fromkeys(runner.model.kernels.quant_gemm_rows, 1 << 30)
+    if decode_kernels:
+        integer_kernels_only(runner)
     total, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         chunk = tokens[start : start + window]

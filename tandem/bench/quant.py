@@ -45,45 +45,10 @@ def random_prompt(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
 
-def single_stream(engine, prompt: list[int], new: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tokens/s after it)."""
-    from engine import SamplingParams
-
-    t0 = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-    first = None
-    while engine.has_unfinished():
-        engine.step()
-        first = first or time.perf_counter()
-    return first - t0, (new - 1) / (time.perf_counter() - first)
-
-
-def batch_throughput(engine, size: int, prompt_len: int, new: int, vocab: int) -> float:
-    from engine import SamplingParams
-
-    rng = random.Random(size)
-    prompts = [random_prompt(prompt_len, vocab, rng) for _ in range(size)]
-    t = time.perf_counter()
-    engine.generate(prompts, [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)] * size)
-    return size * new / (time.perf_counter() - t)
-
-
-def bytes_per_token(model) -> int:
-    """Weight bytes one decode step reads: every matrix once (the embedding lookup reads one row)."""
-    from engine.quant import QuantizedWeight
-
-    def size(t) -> int:
-        return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
-
-    total = size(model.lm_head) + size(model.norm)
-    for layer in model.layers:
-        total += sum(size(getattr(layer, n)) for n in layer.__slots__ if getattr(layer, n) is not None)
-    return total
-
-
 def bench_tandem(args: argparse.Namespace, quantization: str, dtype: str, bandwidth: float) -> dict:
     from common.engine_args import engine_config
     from engine import Engine
+    from tandem.bench.offline import Workload, single_stream, tandem_batch, weight_bytes
 
     args.quantization, args.dtype = quantization, dtype
     config = engine_config(args)
@@ -92,13 +57,16 @@ def bench_tandem(args: argparse.Namespace, quantization: str, dtype: str, bandwi
     vocab = config.model_config.vocab_size
     rng = random.Random(0)
     engine.generate([random_prompt(16, vocab, rng)] * 2)  # warm-up
-    row: dict = {"config": f"tandem {quantization} {dtype}", "bytes_per_token": bytes_per_token(engine.runner.model)}
+    row: dict = {"config": f"tandem {quantization} {dtype}", "bytes_per_token": weight_bytes(engine)}
     _, row["decode_32_tok_s"] = single_stream(engine, random_prompt(32, vocab, rng), args.new_tokens)
     ttft, row["decode_1024_tok_s"] = single_stream(engine, random_prompt(1024, vocab, rng), args.new_tokens)
     row["prefill_1024_tok_s"] = 1024 / ttft
     row["roofline_fraction_32"] = row["decode_32_tok_s"] / (bandwidth * 1e9 / row["bytes_per_token"])
-    row["batch"] = {str(b): batch_throughput(engine, b, args.batch_prompt_len, args.new_tokens, vocab)
-                    for b in args.sizes}
+    row["batch"] = {}
+    for b in args.sizes:
+        batch_rng = random.Random(b)
+        prompts = [random_prompt(args.batch_prompt_len, vocab, batch_rng) for _ in range(b)]
+        row["batch"][str(b)] = tandem_batch(engine, Workload(prompts, [args.new_tokens] * b))
     assert engine.num_free_blocks == engine.num_total_blocks
     del engine
     if not args.no_perplexity:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from tandem.bench.perplexity import perplexity, text_tokens, window_nll
+from tandem.bench.perplexity import integer_kernels_only, perplexity, text_tokens, window_logits, window_nll
 from tandem.model_fetch import gguf_path
 from tests.hf_reference import load_hf
 from tests.unit.test_engine_correctness import run_engine
@@ -46,16 +46,9 @@ def test_gguf_logits_close_to_transformers(default_model, prompts, record_proper
     hf = load_hf(default_model)
     with torch.inference_mode():
         want = hf(torch.tensor([tokens])).logits[0, :-1].float()
-    engine = Engine.from_model(str(default_model), quantization="gguf", num_kv_blocks=32)
-    runner = engine.runner
-    runner.model.kernels.quant_gemm_rows = dict.fromkeys(runner.model.kernels.quant_gemm_rows, 1 << 30)
-    from engine.attention import build_metadata
-
-    meta = build_metadata([(0, len(tokens), list(range(19)))], 16, runner.device)
-    with torch.inference_mode():
-        hidden = runner.model.forward(torch.tensor(tokens), torch.arange(len(tokens)), runner.kv_caches, meta,
-                                      runner.attn)
-        got = runner.model.logits(hidden[:-1])
+    runner = Engine.from_model(str(default_model), quantization="gguf", num_kv_blocks=32).runner
+    integer_kernels_only(runner)
+    got = window_logits(runner, tokens)
     err = (got - want).abs()
     spread = want.std().item()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
@@ -66,13 +59,20 @@ def test_gguf_logits_close_to_transformers(default_model, prompts, record_proper
     assert agree > 0.95
 
 
+@pytest.fixture(scope="module")
+def float_reference(default_model, prompts) -> tuple[Engine, list[list[int]]]:
+    """tandem's float32 model of the same weights, and its greedy answers (shared by both quantizations)."""
+    reference = Engine.from_model(str(default_model), kv_cache_gb=0.25)
+    return reference, run_engine(reference, prompts, [32] * len(prompts))
+
+
 @pytest.mark.parametrize("quantization", ["gguf", "int8"])
-def test_greedy_equals_float_model_or_near_tie(default_model, prompts, quantization, record_property):
+def test_greedy_equals_float_model_or_near_tie(default_model, prompts, float_reference, quantization,
+                                               record_property):
     """Against tandem's float32 model of the same weights (which equals transformers token for token:
     test_engine_correctness). int8 activations (as llama.cpp's) tip near-ties, so most 32-token answers differ
     somewhere; every first difference must be one, and is reported."""
-    reference = Engine.from_model(str(default_model), kv_cache_gb=0.25)
-    want = run_engine(reference, prompts, [32] * len(prompts))
+    reference, want = float_reference
     engine = Engine.from_model(str(default_model), kv_cache_gb=0.25, quantization=quantization)
     got = run_engine(engine, prompts, [32] * len(prompts))
     assert_greedy_equal_or_near_tie(reference, prompts, want, got, MAX_GAP, record_property)

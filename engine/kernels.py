@@ -55,7 +55,15 @@ class TorchKernels:
         qk.copy_(apply_rope(qk, *tables))
 
 
-SMALL_M = 16  # rows of x up to which the streaming kernel beats oneDNN's float32 GEMM (measured)
+# Rows of x up to which the project's linear kernel beats oneDNN's GEMM, per dtype and CPU (see small_m_table).
+# float32: 16 everywhere measured (a 2-core AVX-512 EPYC and Xeon). bfloat16 with AVX512_BF16 dot products
+# (vdpbf16ps) and no AMX: 128, measured on the EPYC over the default model's layer shapes (bench step-profile):
+# the kernel ran 194 / 263 / 276 GFLOP/s at 16 / 64 / 128 rows, oneDNN 64-131 / 223 / 275, and oneDNN pulls
+# ahead at 256 (342 against 285). With AMX, oneDNN's bfloat16 GEMM runs several times faster once there are
+# tiles to fill: 16, as before the dot-product kernel. Without native bfloat16, oneDNN's bfloat16 GEMM is slower
+# than the streaming kernel at every size.
+SMALL_M = 16
+SMALL_M_DOT_BF16 = 128
 # Rows of x above which dequantizing a quantized weight and running oneDNN's GEMM beats the integer kernel.
 # Measured on a 2-core AVX-512 VNNI EPYC (no AMX): the integer kernel runs 280-440 GOP/s at 512-2048 rows,
 # the bfloat16 GEMM (dequantizing included) 100-330 GFLOP/s, float32 75-175: never. With AMX, oneDNN's
@@ -69,16 +77,16 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
-        self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if "amx_bf16" in cpu_ops.cpu_flags() else QUANT_GEMM_M_VNNI)
+        amx = "amx_bf16" in cpu_ops.cpu_flags()
+        self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if amx else QUANT_GEMM_M_VNNI)
+        self.small_m = small_m_table(ops, amx)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return self.qlinear(x, weight, bias)
-        if x.dtype != weight.dtype:
-            return F.linear(x, weight, bias)
-        if x.shape[0] <= SMALL_M or (x.dtype == torch.bfloat16 and not self.ops.NATIVE_BF16):
-            return self.ops.linear(x, weight, bias)
-        return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
+        if x.dtype != weight.dtype or x.shape[0] > self.small_m.get(x.dtype, 0):
+            return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
+        return self.ops.linear(x, weight, bias)
 
     def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.quant_gemm_rows.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
@@ -102,6 +110,17 @@ class CpuKernels(TorchKernels):
 
     def rope_(self, qkv: torch.Tensor, tables: Any, num_heads: int, head_dim: int) -> None:
         self.ops.rope_(qkv, *tables, num_heads, head_dim)
+
+
+def small_m_table(ops: ModuleType, amx: bool) -> dict[torch.dtype, int]:
+    """Rows of x up to which ``ops.linear`` serves a matmul, per dtype (above: oneDNN through F.linear)."""
+    if not ops.NATIVE_BF16:
+        bf16 = 1 << 30
+    elif amx or not ops.DOT_BF16:
+        bf16 = SMALL_M
+    else:
+        bf16 = SMALL_M_DOT_BF16
+    return {torch.float32: SMALL_M, torch.bfloat16: bf16}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

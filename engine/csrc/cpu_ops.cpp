@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -94,6 +95,7 @@ struct XRows {
   const float* xe;  // [M, K / 2] or null
   const float* xo;
   int64_t K;
+  const bf16_t* xb = nullptr;  // x itself, for dot_bf16 (bfloat16 x, K % 32 == 0, AVX512_BF16)
 };
 
 #if defined(__AVX512F__)
@@ -160,6 +162,20 @@ inline void dot_pairs(const bf16_t* w, const float* xe, const float* xo, int64_t
     for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 constexpr bool HAVE_PAIRS = true;
+
+// Sums of 16 vectors, one per lane of the result (a[i]'s sum in lane i): a transpose-and-add tree
+// of 15 adds and 30 shuffles, where 16 separate horizontal sums take ~130 instructions.
+inline __m512 sum16(const __m512* a) {
+  __m512 p[8], q[4], r[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit chunk: [a0 a1 a0 a1] partial sums (cols 0+2, 1+3)
+    p[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per chunk: [a0 a1 a2 a3]
+    q[i] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm512_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // chunks: [0-3, 0-3, 4-7, 4-7] halves
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+}
 #else
 template <typename W, int M>
 inline void dot_block(const W* w, const float* x, int64_t K, float* out) {
@@ -176,10 +192,42 @@ inline void dot_pairs(const bf16_t*, const float*, const float*, int64_t, float*
 constexpr bool HAVE_PAIRS = false;
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 x and weights, 32 columns per instruction (vdpbf16ps: pairs of products added into
+// float32 lanes; a product of two bfloat16 values is exact in float32). Twice the multiply rate of
+// float32 FMAs and no widening of the weights: what makes 2-64 rows compute-bound no sooner than a
+// GEMM. K % 32 == 0.
+template <int M>
+inline void dot_bf16(const bf16_t* w, const bf16_t* x, int64_t K, float* out) {
+  static_assert(ROWS * MAX_TILE == 16, "sum16 reduces 16 accumulators");
+  __m512 acc[ROWS * MAX_TILE];
+  for (int i = 0; i < ROWS * MAX_TILE; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    prefetch_rows(w, K, k);
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[r * MAX_TILE + m] = _mm512_dpbf16_ps(acc[r * MAX_TILE + m], wv, xv[m]);
+    }
+  }
+  alignas(64) float sums[ROWS * MAX_TILE];
+  _mm512_store_ps(sums, sum16(acc));
+  for (int r = 0; r < ROWS; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = sums[r * MAX_TILE + m];
+}
+constexpr bool HAVE_DPBF16 = true;
+#else
+template <int M>
+inline void dot_bf16(const bf16_t*, const bf16_t*, int64_t, float*) {}
+constexpr bool HAVE_DPBF16 = false;
+#endif
+
 // One block of ROWS weight rows against M rows of x starting at row m0.
 template <typename W, int M>
 inline void block(const W* w, const XRows& x, int64_t m0, float* out) {
   if constexpr (std::is_same_v<W, bf16_t>) {
+    if (x.xb) return dot_bf16<M>(w, x.xb + m0 * x.K, x.K, out);
     if (x.xe) return dot_pairs<M>(w, x.xe + m0 * x.K / 2, x.xo + m0 * x.K / 2, x.K, out);
   }
   dot_block<W, M>(w, x.x + m0 * x.K, x.K, out);
@@ -264,7 +312,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   }
   dispatch(x, "linear", [&](auto tag) {
     using W = decltype(tag);
-    const XRows rows = prepare_x(ptr<W>(xc), M, K, std::is_same_v<W, bf16_t> && HAVE_PAIRS && K % 32 == 0);
+    XRows rows{nullptr, nullptr, nullptr, K};
+    if (std::is_same_v<W, bf16_t> && HAVE_DPBF16 && K % 32 == 0 && M > 1)
+      rows.xb = reinterpret_cast<const bf16_t*>(xc.data_ptr());
+    else
+      rows = prepare_x(ptr<W>(xc), M, K, std::is_same_v<W, bf16_t> && HAVE_PAIRS && K % 32 == 0);
     const W* bp = b.defined() ? ptr<W>(b) : nullptr;
     const W* wp = ptr<W>(weight);
     W* yp = mut_ptr<W>(y);
@@ -524,32 +576,106 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
 }
 
 #if defined(__AVX512F__)
-// attend_part on 16 lanes, for head sizes that are a multiple of 16 up to 256: each key and value row is
-// loaded (and converted) once for all G query heads, softmax exponentials 16 at a time. Returns false when
-// the head size does not fit, and the caller uses the portable loops.
 template <typename T>
-bool attend_part_avx512(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
-                        int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
-                        float* acc) {
-  if (D % LANES || D > 16 * LANES) return false;
-  const int64_t n = t1 - t0, V = D / LANES;
-  std::fill(acc, acc + G * D, 0.f);
+inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_size, int64_t t, int64_t D) {
+  return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
+}
+
+// A cache row's lines into L1 ahead of use: the rows of one sequence are short runs (a block's 16 rows of
+// one head) that the hardware prefetcher ramps up on too late; without this decode attention reads its
+// K/V at half the bandwidth that a streaming read gets.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
+}
+constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
+
+// Scores of keys [t0, t1) for G query heads, 16 keys at a time: each head's 16 dot products stay in
+// vectors and one transpose-add (sum16) turns them into 16 scores, where a horizontal sum per key and
+// head costs more than the dot product itself. bfloat16 with AVX512_BF16 multiplies q and k 32 columns
+// per instruction (products exact in float32); otherwise 16 at a time in float32.
+template <typename T>
+void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const int32_t* table,
+              int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores) {
+  const int64_t n = t1 - t0;
+  const __m512 sc = _mm512_set1_ps(scale);
+  const T* rows[16];
+  for (int64_t t = t0; t < t1; t += 16) {
+    const int cnt = static_cast<int>(std::min<int64_t>(16, t1 - t));
+    for (int j = 0; j < 16; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
+    for (int64_t j = t + 16; j < std::min(t + 32, t1); ++j)  // the next 16 keys' rows, while these compute
+      prefetch_row(slot_row(kc, table, block_size, j, D), D);
+    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16_t>) {
+        if (D % 32 == 0) {
+          for (int64_t c = 0; c < D; c += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qraw + g * D + c);
+            for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(rows[j] + c), qv);
+          }
+          _mm512_mask_storeu_ps(scores + g * n + t - t0, valid, _mm512_mul_ps(sum16(acc), sc));
+          continue;
+        }
+      }
+#endif
+      for (int64_t c = 0; c < D; c += LANES) {
+        const __m512 qv = _mm512_loadu_ps(qf + g * D + c);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(load16(rows[j] + c), qv, acc[j]);
+      }
+      _mm512_mask_storeu_ps(scores + g * n + t - t0, valid, _mm512_mul_ps(sum16(acc), sc));
+    }
+  }
+}
+
+// acc[g] = sum over keys of p[g][t] * v[t], for V vectors of 16 per row: up to 16 / V heads' sums kept in
+// registers while each value row is loaded once for them (heads beyond that take another pass over the
+// rows, which are in cache by then).
+template <typename T, int V>
+void values_regs(const float* scores, int64_t G, const T* vc, const int32_t* table, int64_t block_size,
+                 int64_t t0, int64_t t1, float* acc) {
+  constexpr int GM = 16 / V;
+  const int64_t n = t1 - t0, D = V * LANES;
+  for (int64_t g0 = 0; g0 < G; g0 += GM) {
+    const int gn = static_cast<int>(std::min<int64_t>(GM, G - g0));
+    __m512 a[GM][V];
+    for (int g = 0; g < GM; ++g)
+      for (int v = 0; v < V; ++v) a[g][v] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* vrow = slot_row(vc, table, block_size, t, D);
+      if (t + VALUE_PREFETCH < t1) prefetch_row(slot_row(vc, table, block_size, t + VALUE_PREFETCH, D), D);
+      __m512 row[V];
+      for (int v = 0; v < V; ++v) row[v] = load16(vrow + v * LANES);
+      for (int g = 0; g < GM; ++g) {
+        if (g >= gn) break;
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * n + t - t0]);
+        for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, row[v], a[g][v]);
+      }
+    }
+    for (int g = 0; g < gn; ++g)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (g0 + g) * D + v * LANES, a[g][v]);
+  }
+}
+
+// attend_part on 16 lanes, for head sizes of 16, 32, 64 or 128: keys 16 at a time (scores16), softmax
+// exponentials 16 at a time, values into register accumulators (values_regs). Returns false for other
+// head sizes, and the caller uses the portable loops.
+template <typename T>
+bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
+                        const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
+                        float* m, float* l, float* acc) {
+  if (D != 16 && D != 32 && D != 64 && D != 128) return false;
+  const int64_t n = t1 - t0;
   if (n <= 0) {
+    std::fill(acc, acc + G * D, 0.f);
     std::fill(m, m + G, -INFINITY);
     std::fill(l, l + G, 0.f);
     return true;
   }
-  __m512 row[16];
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* krow = kc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
-    for (int64_t v = 0; v < V; ++v) row[v] = load16(krow + v * LANES);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      __m512 dot = _mm512_mul_ps(row[0], _mm512_loadu_ps(qg));
-      for (int64_t v = 1; v < V; ++v) dot = _mm512_fmadd_ps(row[v], _mm512_loadu_ps(qg + v * LANES), dot);
-      scores[g * n + t - t0] = _mm512_reduce_add_ps(dot) * scale;
-    }
-  }
+  scores16<T>(qf, qraw, G, D, kc, table, block_size, t0, t1, scale, scores);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -572,31 +698,28 @@ bool attend_part_avx512(const float* qf, int64_t G, int64_t D, const T* kc, cons
     }
     l[g] = _mm512_reduce_add_ps(sum);
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* vrow = vc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
-    for (int64_t v = 0; v < V; ++v) row[v] = load16(vrow + v * LANES);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + t - t0]);
-      float* a = acc + g * D;
-      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(a + v * LANES, _mm512_fmadd_ps(p, row[v], _mm512_loadu_ps(a + v * LANES)));
-    }
+  switch (D / LANES) {
+    case 1: values_regs<T, 1>(scores, G, vc, table, block_size, t0, t1, acc); break;
+    case 2: values_regs<T, 2>(scores, G, vc, table, block_size, t0, t1, acc); break;
+    case 4: values_regs<T, 4>(scores, G, vc, table, block_size, t0, t1, acc); break;
+    default: values_regs<T, 8>(scores, G, vc, table, block_size, t0, t1, acc); break;
   }
   return true;
 }
 #else
 template <typename T>
-bool attend_part_avx512(const float*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t,
-                        int64_t, float, float*, float*, float*, float*) {
+bool attend_part_avx512(const float*, const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t,
+                        int64_t, int64_t, float, float*, float*, float*, float*) {
   return false;
 }
 #endif
 
 // The part [t0, t1) with the fastest loops this build has.
 template <typename T>
-void attend_range(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
-                  int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
-                  float* acc) {
-  if (!attend_part_avx512<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc))
+void attend_range(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
+                  const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
+                  float* m, float* l, float* acc) {
+  if (!attend_part_avx512<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc))
     attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }
 
@@ -645,7 +768,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const int64_t tasks = first[B];
     std::vector<int64_t> seq_of(tasks);
     for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
-    std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+    // Per task: its heads' maxima, sums and unnormalised outputs (uninitialised: every task writes its own).
+    std::unique_ptr<float[]> m(new float[tasks * G]), l(new float[tasks * G]), acc(new float[tasks * G * D]);
+    const auto write = [&](int64_t b, int64_t h, int64_t g, const float* o, float total) {
+      T* dst = op + b * Hq * D + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
+    };
     at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores(G * PART_KEYS), qf(G * D);
       for (int64_t i = i0; i < i1; ++i) {
@@ -653,26 +781,29 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
         for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
-        attend_range<T>(qf.data(), G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
-                        static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], &acc[i * G * D]);
+        float* a = &acc[i * G * D];
+        attend_range<T>(qf.data(), qh, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
+                        static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], a);
+        if (parts == 1)  // the whole sequence: normalise here, nothing to merge
+          for (int64_t g = 0; g < G; ++g) write(b, h, g, a + g * D, l[i * G + g]);
       }
     });
     at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
       std::vector<float> o(D);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t g = i % G, h = i / G % Hkv, b = i / G / Hkv, parts = (first[b + 1] - first[b]) / Hkv;
+        if (parts == 1) continue;
         const int64_t task0 = first[b] + h * parts;
         float mx = -INFINITY, total = 0.f;
         for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[(task0 + p) * G + g]);
         std::fill(o.begin(), o.end(), 0.f);
         for (int64_t p = 0; p < parts; ++p) {
           const int64_t at = (task0 + p) * G + g;
-          const float w = std::exp(m[at] - mx);  // 1 for a single part: its own sum, unchanged
+          const float w = std::exp(m[at] - mx);
           total += w * l[at];
           for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at * D + d];
         }
-        T* dst = op + b * Hq * D + (h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
+        write(b, h, g, o.data(), total);
       }
     });
   });
@@ -691,6 +822,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("NATIVE_BF16") = false;
 #endif
+  m.attr("DOT_BF16") = HAVE_DPBF16;
   m.def("linear", &linear, "x W^T (+ b), float32 accumulation, each weight row read once per 4 rows of x");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H]");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of the residual");

@@ -43,7 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--output-dir", default="bench-results")
     p.add_argument("--scenarios", default="throughput,prefix-cache,chunked-prefill,scheduler",
-                   help="comma-separated: throughput (against transformers), prefix-cache, chunked-prefill, scheduler")
+                   help="comma-separated: throughput (against transformers), prefix-cache, chunked-prefill, "
+                   "scheduler, step-profile (per-op decode profile at --profile-batches, per dtype)")
+    p.add_argument("--profile-batches", default="1,16,64,256", help="batch sizes of the step-profile scenario")
     p.add_argument("--chunk-budget", type=int, default=256,
                    help="token budget per step of the chunked side of the chunked-prefill scenario")
 
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from common.engine_args import engine_config, resolve_model
     from engine import ModelConfig
     from tandem.bench.scheduling import SCENARIOS, format_scenarios, run_scenarios
+    from tandem.bench.step_profile import format_profile
 
     threads = args.num_threads or torch.get_num_threads()
     args.num_threads = threads
@@ -187,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"read bandwidth {bw:.1f} GB/s ({threads} threads); {args.num_requests} requests, "
           f"{work.num_output_tokens} output tokens", file=sys.stderr)
     names = [n for n in args.scenarios.split(",") if n]
-    unknown = set(names) - {"throughput", *SCENARIOS}
+    unknown = set(names) - {"throughput", "step-profile", *SCENARIOS}
     if unknown:
-        raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from throughput, {', '.join(SCENARIOS)}")
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from throughput, step-profile, "
+                         f"{', '.join(SCENARIOS)}")
     rows = []
     for dtype in args.dtypes.split(",") if "throughput" in names else []:
         row = bench_dtype(args, dtype, work, single_prompt)
@@ -200,13 +204,40 @@ def run(args: argparse.Namespace) -> int:
             row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
         rows.append(row)
         print(f"  done {dtype}: {json.dumps(row)}", file=sys.stderr)
-    scenarios = run_scenarios(args, engine_config(args), [n for n in names if n != "throughput"])
+    scenarios = run_scenarios(args, engine_config(args), [n for n in names if n in SCENARIOS])
+    if "step-profile" in names:
+        scenarios["step-profile"] = run_step_profile(args, bw)
     if rows:
         print(format_table(rows, bw))
     if scenarios:
         print(format_scenarios(scenarios))
+    for profile in scenarios.get("step-profile", []):
+        print(format_profile(profile))
     write_json(args, rows, bw, scenarios)
     return 0
+
+
+def run_step_profile(args: argparse.Namespace, bw: float) -> list[dict]:
+    """The step-profile scenario for each dtype of ``--dtypes``, with this CPU's ISA in the results."""
+    from dataclasses import asdict
+
+    from common.engine_args import engine_config
+    from engine import Engine, EngineConfig, cpu_ops
+    from tandem.bench.step_profile import format_profile, step_profile
+
+    config = engine_config(args)
+    base = {k: v for k, v in asdict(config).items() if k != "model_config"}
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+           if f in cpu_ops.cpu_flags().split()]
+    print(f"step profile on {platform.processor() or platform.machine()}: {' '.join(isa)}", file=sys.stderr)
+    batches = tuple(int(b) for b in args.profile_batches.split(","))
+    results = []
+    for dtype in args.dtypes.split(","):
+        r = step_profile(lambda **o: Engine(EngineConfig(**{**base, **o})), dtype,
+                         config.model_config.vocab_size, args.seed, bw, batches)
+        results.append({**r, "isa": isa})
+        print(format_profile(r), file=sys.stderr)
+    return results
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -41,10 +41,11 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 40])  # tiles of 4 rows of x, and remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 40, 64, 130])  # tiles of 4 rows of x, and remainders
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (64, 13, True), (70, 13, True), (16, 4, False)])
 def test_linear(ops, dtype, tol, rows, k, n, bias):
-    """k % 32 == 0 takes bfloat16's paired loads; n % 4 != 0 a padded last block of weights."""
+    """k % 32 == 0 takes bfloat16's paired loads (or its dot products, vdpbf16ps, where the CPU has them);
+    n % 4 != 0 a padded last block of weights."""
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
@@ -105,17 +106,31 @@ def _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim=32, block_size=4,
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4), (9, 3)])
-def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads):
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4), (9, 3), (20, 2)])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 80])
+def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads, head_dim):
+    """Head sizes 16-128 take the vector loops (16 keys per score pass, values in registers for up to 16 / (head
+    size / 16) query heads at a time, more in further passes); 80 the portable ones."""
     lens = [1, 3, 4, 5, 17, 64, 100, 33]
-    cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads)
-    args = (num_heads, num_kv_heads, 32, 4)
+    cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim)
+    args = (num_heads, num_kv_heads, head_dim, 4)
     cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
     got = cpu.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
     want = torch.empty_like(q)
     for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
         want[group.token_index] = ref.decode(q[group.token_index], cache, group)
     close(got, want, tol)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 128, 129, 300])
+def test_cpu_kernels_linear_on_either_side_of_the_gemm_crossover(kernels, rows):
+    """Up to the crossover row count (per dtype and CPU) the project's kernel serves a matmul, above it oneDNN."""
+    cpu, ref = kernels
+    g = torch.Generator().manual_seed(rows)
+    for dtype, tol in DTYPES:
+        x = torch.randn(rows, 576, generator=g).to(dtype)
+        w = (torch.randn(200, 576, generator=g) / 24).to(dtype)
+        close(cpu.linear(x, w), ref.linear(x.float(), w.float()).to(dtype), tol)
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)

@@ -1,0 +1,244 @@
+"""``tandem bench offline --scenarios step-profile``: where a decode step's time goes, op class by op class.
+
+The engine runs a real batch (N requests with 128-token prompts, decoding) while thin wrappers around its
+kernels, attention backend and sampler time every call. Each op class is set against its own roofline,
+``max(bytes / read bandwidth, FLOPs / GEMM rate)``, with both rates measured in the same run: a step far
+from the sum of those rooflines shows which op to fix. "other" is what the step spends outside the
+timed ops (metadata, embedding, Python between calls). Prefill of a 1,024-token prompt is profiled the
+same way and its FLOP rate set against the measured GEMM rate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from engine import Engine, SamplingParams
+
+OP_CLASSES = ("linear", "attention", "norm/rope/act", "sampling", "other")
+BATCH_SIZES = (1, 16, 64, 256)
+PROMPT_LEN = 128
+
+
+@dataclass(slots=True)
+class OpCost:
+    seconds: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+    calls: int = 0
+
+
+@dataclass(slots=True)
+class Recorder:
+    costs: dict[str, OpCost] = field(default_factory=lambda: defaultdict(OpCost))
+
+    def timed(self, op: str, fn: Callable[[], Any], nbytes: float = 0.0, flops: float = 0.0) -> Any:
+        t = time.perf_counter()
+        out = fn()
+        c = self.costs[op]
+        c.seconds += time.perf_counter() - t
+        c.bytes += nbytes
+        c.flops += flops
+        c.calls += 1
+        return out
+
+    def reset(self) -> None:
+        self.costs.clear()
+
+
+class TimedKernels:
+    """The engine's kernels with every call timed and costed (bytes moved, FLOPs)."""
+
+    def __init__(self, inner: Any, rec: Recorder) -> None:
+        self.inner, self.rec = inner, rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows
+        moved = weight.nbytes + (m * k + m * n) * x.element_size()
+        return self.rec.timed("linear", lambda: self.inner.linear(x, weight, bias), moved, 2.0 * m * n * k)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rec.timed("norm/rope/act", lambda: self.inner.rms_norm(x, weight, eps), 2 * x.nbytes)
+
+    def add_rms_norm_(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        return self.rec.timed("norm/rope/act", lambda: self.inner.add_rms_norm_(residual, delta, weight, eps),
+                              4 * residual.nbytes)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.rec.timed("norm/rope/act", lambda: self.inner.silu_mul(gate_up), 1.5 * gate_up.nbytes)
+
+    def rope_(self, qkv: torch.Tensor, tables: Any, num_heads: int, head_dim: int) -> None:
+        moved = 2 * qkv.shape[0] * num_heads * head_dim * qkv.element_size()
+        self.rec.timed("norm/rope/act", lambda: self.inner.rope_(qkv, tables, num_heads, head_dim), moved)
+
+
+class TimedAttention:
+    """The attention backend with each layer's call costed by the K/V it must read."""
+
+    def __init__(self, inner: Any, rec: Recorder) -> None:
+        self.inner, self.rec = inner, rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: Any) -> Any:
+        a = self.inner
+        row = a.num_kv_heads * a.head_dim * kv.element_size()  # one token's K (or V) of one layer
+        keys = sum(int(g.context_lens.sum()) for g in meta.decodes)
+        keys += sum(s.context_len for s in meta.prefills)
+        pairs = keys + sum(s.length * s.context_len / 2 for s in meta.prefills)  # query-key pairs (causal)
+        moved = 2 * keys * row + 2 * q.nbytes
+        flops = 4.0 * pairs * a.num_heads * a.head_dim
+        return self.rec.timed("attention", lambda: a.forward(q, k, v, kv, meta), moved, flops)
+
+
+class TimedSampler:
+    def __init__(self, inner: Any, rec: Recorder) -> None:
+        self.inner, self.rec = inner, rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, logits: torch.Tensor, requests: list) -> Any:
+        return self.rec.timed("sampling", lambda: self.inner.sample(logits, requests), logits.nbytes)
+
+
+def instrument(engine: Engine) -> Recorder:
+    """Wrap ``engine``'s kernels, attention and sampler in timers (for the rest of its life)."""
+    rec = Recorder()
+    runner = engine.runner
+    runner.model.kernels = TimedKernels(runner.model.kernels, rec)
+    runner.attn = TimedAttention(runner.attn, rec)
+    engine.sampler = TimedSampler(engine.sampler, rec)
+    return rec
+
+
+def gemm_rate_gflops(dtype: torch.dtype, m: int = 1024, k: int = 2048, n: int = 2048) -> float:
+    """Best of 5 ``torch.mm`` (oneDNN on CPU) at a prefill-like shape: what the machine's GEMM reaches."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    torch.mm(a, b)
+    best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2.0 * m * k * n / best / 1e9
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def profile_decode(engine: Engine, rec: Recorder, batch: int, vocab: int, seed: int, steps: int,
+                   bw: float, gemm: float) -> dict:
+    """Median step of ``steps`` decode steps with ``batch`` requests running (all of them decoding: none ends
+    while later prompts are still being prefilled, and the rest are aborted after)."""
+    rng = random.Random(seed)
+    budget = engine.config.max_num_batched_tokens
+    params = SamplingParams(max_tokens=prefill_steps(batch, budget) + steps + 4, temperature=0, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(100, vocab - 100) for _ in range(PROMPT_LEN)], params)
+           for _ in range(batch)]
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    per_step: list[dict[str, OpCost]] = []
+    totals: list[float] = []
+    for _ in range(steps):
+        assert len(engine.scheduler.running) == batch
+        rec.reset()
+        totals.append(_seconds(engine.step))
+        per_step.append({k: replace(v) for k, v in rec.costs.items()})
+    for rid in ids:
+        engine.abort(rid)
+    i = sorted(range(steps), key=totals.__getitem__)[steps // 2]  # the median step, whole
+    return {"batch": batch, **summarize(per_step[i], totals[i], bw, gemm)}
+
+
+def prefill_steps(batch: int, budget: int) -> int:
+    """Steps that prefilling ``batch`` prompts takes at ``budget`` tokens per step, rounded up."""
+    return -(-batch * PROMPT_LEN // budget) + 1
+
+
+def profile_prefill(engine: Engine, rec: Recorder, vocab: int, seed: int, bw: float, gemm: float,
+                    tokens: int = 1024, trials: int = 3) -> dict:
+    """One 1,024-token prompt prefilled in one step (the best of ``trials``), against the GEMM rate."""
+    rng = random.Random(seed)
+    best: tuple[float, dict[str, OpCost]] | None = None
+    for _ in range(trials):
+        engine.reset_prefix_cache()
+        engine.add_request([rng.randrange(100, vocab - 100) for _ in range(tokens)],
+                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        rec.reset()
+        t = _seconds(engine.step)
+        assert not engine.has_unfinished(), "the prompt must fit one step (max_num_batched_tokens)"
+        if best is None or t < best[0]:
+            best = (t, dict(rec.costs))
+    t, costs = best
+    row = summarize(costs, t, bw, gemm)
+    flops = sum(c.flops for c in costs.values())
+    return {"prompt_tokens": tokens, "tok_s": tokens / t, "gflop_s": flops / t / 1e9,
+            "fraction_of_gemm_rate": flops / t / 1e9 / gemm, **row}
+
+
+def summarize(costs: dict[str, OpCost], step_s: float, bw: float, gemm: float) -> dict:
+    """Per op class: ms, share of the step, achieved GB/s and GFLOP/s, its roofline ms and the gap."""
+    other = max(0.0, step_s - sum(c.seconds for c in costs.values()))
+    ops = {}
+    roof_total = 0.0
+    for name in OP_CLASSES:
+        c = costs.get(name, OpCost(seconds=other) if name == "other" else OpCost())
+        roof = max(c.bytes / (bw * 1e9), c.flops / (gemm * 1e9))
+        roof_total += roof
+        ops[name] = {
+            "ms": c.seconds * 1e3, "share": c.seconds / step_s, "calls": c.calls,
+            "gb_s": c.bytes / c.seconds / 1e9 if c.seconds else 0.0,
+            "gflop_s": c.flops / c.seconds / 1e9 if c.seconds else 0.0,
+            "roofline_ms": roof * 1e3, "over_roofline": c.seconds / roof if roof else None,
+        }
+    return {"step_ms": step_s * 1e3, "roofline_ms": roof_total * 1e3, "step_over_roofline": step_s / roof_total,
+            "ops": ops}
+
+
+def step_profile(make: Callable[..., Engine], dtype: str, vocab: int, seed: int, bw: float,
+                 batches: tuple[int, ...] = BATCH_SIZES, steps: int = 12) -> dict:
+    """The decode profile at each batch size and the 1,024-token prefill, for one dtype."""
+    gemm = gemm_rate_gflops(getattr(torch, dtype))
+    budget, most = max(1024, max(batches)), max(batches)
+    blocks = most * -(-(PROMPT_LEN + prefill_steps(most, budget) + steps + 8) // 16) + 128
+    engine = make(dtype=dtype, max_num_seqs=most, max_num_batched_tokens=budget, num_kv_blocks=blocks,
+                  enable_prefix_caching=False)
+    rec = instrument(engine)
+    engine.generate([[100 + i for i in range(32)]] * 2)  # warm-up
+    decode = [profile_decode(engine, rec, b, vocab, seed + b, steps, bw, gemm) for b in batches]
+    prefill = profile_prefill(engine, rec, vocab, seed, bw, gemm)
+    assert engine.num_free_blocks == engine.num_total_blocks
+    return {"dtype": dtype, "gemm_gflop_s": gemm, "read_bw_gbps": bw, "decode": decode, "prefill": prefill}
+
+
+def format_profile(result: dict) -> str:
+    """Markdown: one row per (batch, op class), then the prefill line."""
+    lines = [f"step profile, {result['dtype']}: GEMM {result['gemm_gflop_s']:.0f} GFLOP/s, "
+             f"read {result['read_bw_gbps']:.1f} GB/s (same run)",
+             "| batch | op | ms | share | GB/s | GFLOP/s | roofline ms | x roofline |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in result["decode"]:
+        for name, o in d["ops"].items():
+            over = "-" if o["over_roofline"] is None else f"{o['over_roofline']:.1f}x"
+            lines.append(f"| {d['batch']} | {name} | {o['ms']:.2f} | {o['share'] * 100:.0f}% | {o['gb_s']:.1f} | "
+                         f"{o['gflop_s']:.0f} | {o['roofline_ms']:.2f} | {over} |")
+        lines.append(f"| {d['batch']} | **step** | **{d['step_ms']:.2f}** | | | | {d['roofline_ms']:.2f} | "
+                     f"**{d['step_over_roofline']:.2f}x** |")
+    p = result["prefill"]
+    lines.append(f"prefill {p['prompt_tokens']} tokens: {p['step_ms']:.0f} ms, {p['tok_s']:.0f} tok/s, "
+                 f"{p['gflop_s']:.0f} GFLOP/s = {p['fraction_of_gemm_rate'] * 100:.0f}% of the GEMM rate "
+                 f"(linear {p['ops']['linear']['gflop_s']:.0f} GFLOP/s, attention "
+                 f"{p['ops']['attention']['ms']:.0f} ms)")
+    return "\n".join(lines)

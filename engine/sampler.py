@@ -20,17 +20,25 @@ class Sampler:
         self._unseeded = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [num_requests, vocab] float32, one row per request that samples this step."""
+        """logits: [num_requests, vocab] float32, one row per request that samples this step.
+
+        Batched over the rows: greedy rows take one argmax together, the others one pass of filtering and
+        noise (only penalties and seeded noise run per row), so a step's sampling costs a few tensor ops
+        whatever the batch size, not a Python loop over its requests.
+        """
         logits = logits.cpu()
-        if all(r.params.greedy and not r.params.has_penalties for r in requests):
-            tokens = logits.argmax(dim=-1).tolist()
+        plain = [not r.params.has_penalties and r.params.greedy for r in requests]
+        if all(plain):
+            tokens = logits.argmax(dim=-1)
         else:
-            tokens = [self._sample_one(row, r) for row, r in zip(logits, requests, strict=True)]
-        logprobs = [
-            _logprobs(row, tok, r.params.logprobs) if r.params.logprobs is not None else None
-            for row, tok, r in zip(logits, tokens, requests, strict=True)
-        ]
-        return tokens, logprobs
+            tokens = torch.empty(len(requests), dtype=torch.long)
+            greedy = torch.tensor(plain)
+            if greedy.any():
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+            rest = [i for i, g in enumerate(plain) if not g]
+            tokens[rest] = self.sample_rows(take(logits, rest), [requests[i] for i in rest])
+        tokens_list = tokens.tolist()
+        return tokens_list, batch_logprobs(logits, tokens_list, [r.params.logprobs for r in requests])
 
     def verify(
         self, rows: torch.Tensor, request: Request, draft: list[int]
@@ -50,29 +58,44 @@ class Sampler:
         targets = rows.argmax(dim=-1).tolist() if greedy else None
         tokens: list[int] = []
         for i in range(len(draft) + 1):
-            token = targets[i] if targets is not None else self._sample_one(rows[i], request, request.num_tokens + i)
+            if targets is not None:
+                token = targets[i]
+            else:
+                token = int(self.sample_rows(rows[i : i + 1], [request], [request.num_tokens + i])[0])
             tokens.append(token)
             if i == len(draft) or token != draft[i]:
                 break
-        logprobs = [_logprobs(rows[i], t, p.logprobs) if p.logprobs is not None else None
-                    for i, t in enumerate(tokens)]
-        return tokens, logprobs
+        return tokens, batch_logprobs(rows[: len(tokens)], tokens, [p.logprobs] * len(tokens))
 
-    def _sample_one(self, row: torch.Tensor, request: Request, position: int | None = None) -> int:
-        """``position``: the number of tokens before the one sampled (default: all the request has)."""
-        p = request.params
-        if p.has_penalties:
-            row = apply_penalties(row.clone(), request)
-        if p.greedy:
-            return int(row.argmax())
-        probs = filtered_probs(row / p.temperature, p)
-        gen = self._unseeded
-        if p.seed is not None:
-            at = request.num_tokens if position is None else position
-            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return int((probs / noise).argmax())
+    def sample_rows(
+        self, rows: torch.Tensor, requests: list[Request], positions: list[int] | None = None
+    ) -> torch.Tensor:
+        """One token per row, by each request's parameters. ``positions[i]``: the number of tokens before the
+        one sampled (default: all the request has); it seeds a seeded request's noise."""
+        if any(r.params.has_penalties for r in requests):
+            rows = rows.clone()
+            for row, r in zip(rows, requests, strict=True):
+                if r.params.has_penalties:
+                    apply_penalties(row, r)
+        params = [r.params for r in requests]
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=rows.dtype)
+        probs = filter_rows(rows / temps[:, None], params)
+        # Inverse-CDF draws, one uniform per row (torch.multinomial and an exponential race draw a random
+        # number per vocabulary entry, 40x slower on CPU). Unseeded rows share one generator; a seeded row's
+        # uniform depends on its seed and position only, never on the batch.
+        u = torch.empty(len(params), 1, dtype=probs.dtype)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), 1, generator=self._unseeded, dtype=probs.dtype)
+        for i, (p, r) in enumerate(zip(params, requests, strict=True)):
+            if p.seed is not None:
+                at = r.num_tokens if positions is None else positions[i]
+                u[i] = torch.rand(1, generator=torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64))
+        tokens = inverse_cdf(probs, u)
+        greedy = torch.tensor([p.greedy for p in params])
+        if greedy.any():  # greedy with penalties: the penalised argmax
+            tokens[greedy] = rows[greedy].argmax(dim=-1)
+        return tokens
 
 
 def apply_penalties(row: torch.Tensor, request: Request) -> torch.Tensor:
@@ -90,28 +113,99 @@ def apply_penalties(row: torch.Tensor, request: Request) -> torch.Tensor:
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Softmax after top-k, top-p and min-p filtering (in that order, as vLLM)."""
-    if p.top_k != -1 and p.top_k < row.shape[0]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs
-        drop = order[before >= p.top_p]  # the top token always survives (before == 0)
-        probs[drop] = 0
-    if p.min_p > 0:
-        probs[probs < p.min_p * probs.max()] = 0
-    return probs / probs.sum()
+    """Softmax after top-k, top-p and min-p filtering (in that order, as vLLM), of one row."""
+    return filter_rows(row[None], [p])[0]
 
 
-def _logprobs(row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
-    """From the raw model distribution, before penalties and filters (vLLM's default)."""
-    lp = torch.log_softmax(row, dim=-1)
-    chosen = float(lp[token])
-    rank = int((lp > lp[token]).sum()) + 1
-    top: list[tuple[int, float]] = []
-    if top_n:
-        vals, ids = lp.topk(top_n)
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-    return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
+def filter_rows(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``filtered_probs`` of every row at once, each by its own parameters; each filter runs only on the rows
+    that ask for it (top-k and top-p sort them)."""
+    vocab = rows.shape[1]
+    top_k = [i for i, p in enumerate(params) if p.top_k != -1 and p.top_k < vocab]
+    if top_k:
+        ks = torch.tensor([params[i].top_k for i in top_k])
+        sub = take(rows, top_k)
+        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+        if len(top_k) == len(params):
+            rows = sub.masked_fill(sub < kth, float("-inf"))
+        else:
+            rows = rows.clone()
+            rows[top_k] = sub.masked_fill(sub < kth, float("-inf"))
+    probs = torch.softmax(rows, dim=-1)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1]
+    if top_p:
+        limit = torch.tensor([params[i].top_p for i in top_p], dtype=probs.dtype)[:, None]
+        if len(top_p) == len(params):
+            probs = nucleus(probs, limit)
+        else:
+            probs[top_p] = nucleus(probs[top_p], limit)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if (min_p > 0).any():
+        probs[probs < (min_p * probs.max(dim=-1).values)[:, None]] = 0
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def take(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``rows[index]``, without the copy when ``index`` is every row in order (the common case)."""
+    return rows if index == list(range(rows.shape[0])) else rows[index]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative probability first exceeds ``u`` (in [0, 1)) times the row's
+    total: a draw from the row. Never a zero-probability token: the first index past the total is clamped
+    to the first that reaches it."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u * total, right=True)
+    return torch.minimum(picked, torch.searchsorted(cdf, total))[:, 0]
+
+
+TOP_P_CANDIDATES = 256
+
+
+def nucleus(probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Top-p: each row keeps its most probable tokens up to the first whose predecessors' sum reaches
+    ``limit`` (the top token always survives). The cut is searched among the TOP_P_CANDIDATES most probable
+    tokens (a partial sort, tens of times cheaper than sorting the vocabulary); rows whose candidates do not
+    reach the limit, where every token beyond them would be kept too, sort in full."""
+    k = min(probs.shape[1], TOP_P_CANDIDATES)
+    vals, order = probs.topk(k, dim=-1)
+    short = (vals.sum(-1, keepdim=True) < limit)[:, 0]
+    if short.any():  # rarely: a flat distribution
+        full_vals, full_order = probs[short].sort(dim=-1, descending=True)
+        return _keep_nucleus(probs, limit, vals, order, short, full_vals, full_order)
+    return _keep_nucleus(probs, limit, vals, order)
+
+
+def _keep_nucleus(probs, limit, vals, order, short=None, full_vals=None, full_order=None) -> torch.Tensor:
+    out = torch.zeros_like(probs)
+    before = vals.cumsum(-1) - vals
+    out.scatter_(1, order, vals.masked_fill(before >= limit, 0))
+    if short is not None:
+        before = full_vals.cumsum(-1) - full_vals
+        kept = full_vals.masked_fill(before >= limit[short], 0)
+        out[short] = torch.zeros_like(full_vals).scatter_(1, full_order, kept)
+    return out
+
+
+def batch_logprobs(rows: torch.Tensor, tokens: list[int], top_ns: list[int | None]) -> list[TokenLogprobs | None]:
+    """Each row's logprob of its token, rank and top-n, for the rows that asked (``top_ns[i]`` not None), from
+    the raw model distribution, before penalties and filters (vLLM's default). One log-softmax for them all."""
+    asked = [i for i, n in enumerate(top_ns) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    if not asked:
+        return out
+    sub = take(rows, asked)
+    lse = torch.logsumexp(sub, dim=-1, keepdim=True)  # log-softmax is x - lse: no [rows, vocab] result needed
+    raw = sub.gather(1, torch.tensor([tokens[i] for i in asked])[:, None])
+    ranks = ((sub > raw).sum(dim=-1) + 1).tolist()
+    chosen = (raw - lse)[:, 0].tolist()
+    most = max(top_ns[i] for i in asked)
+    top_vals, top_ids = sub.topk(most, dim=-1) if most else (sub[:, :0], sub[:, :0].long())
+    top_vals = (top_vals - lse).tolist()
+    top_ids = top_ids.tolist()
+    for j, i in enumerate(asked):
+        n = top_ns[i]
+        top = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        out[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen[j], rank=ranks[j], top=top)
+    return out

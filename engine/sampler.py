@@ -23,7 +23,7 @@ class Sampler:
         """logits: [num_requests, vocab] float32, one row per request that samples this step.
 
         Batched over the rows: greedy rows take one argmax together, the others one pass of filtering and
-        noise (only penalties and seeded noise run per row), so a step's sampling costs a few tensor ops
+        noise (only penalties and seeded rows' noise run per row), so a step's sampling costs a few tensor ops
         whatever the batch size, not a Python loop over its requests.
         """
         logits = logits.cpu()
@@ -80,18 +80,22 @@ class Sampler:
         params = [r.params for r in requests]
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=rows.dtype)
         probs = filter_rows(rows / temps[:, None], params)
-        # Inverse-CDF draws, one uniform per row (torch.multinomial and an exponential race draw a random
-        # number per vocabulary entry, 40x slower on CPU). Unseeded rows share one generator; a seeded row's
-        # uniform depends on its seed and position only, never on the batch.
-        u = torch.empty(len(params), 1, dtype=probs.dtype)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. It flips only where two candidates
+        # nearly tie, so logits that differ in the last bits (a prefix-cached prefill, another batch) sample
+        # the same token; an inverse-CDF draw moves with every probability before the token. E = -log(U):
+        # uniform_ and log_ are vectorised, exponential_ is not (4x slower). Unseeded rows share one
+        # generator; a seeded row's noise depends on its seed and position only, never on the batch.
+        noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), 1, generator=self._unseeded, dtype=probs.dtype)
+        if len(unseeded) == len(params):
+            noise.uniform_(generator=self._unseeded)
+        elif unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).uniform_(generator=self._unseeded)
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
             if p.seed is not None:
                 at = r.num_tokens if positions is None else positions[i]
-                u[i] = torch.rand(1, generator=torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64))
-        tokens = inverse_cdf(probs, u)
+                noise[i].uniform_(generator=torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64))
+        tokens = (probs / noise.log_().neg_()).argmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params])
         if greedy.any():  # greedy with penalties: the penalised argmax
             tokens[greedy] = rows[greedy].argmax(dim=-1)
@@ -148,16 +152,6 @@ def filter_rows(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
 def take(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
     """``rows[index]``, without the copy when ``index`` is every row in order (the common case)."""
     return rows if index == list(range(rows.shape[0])) else rows[index]
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token of each row whose cumulative probability first exceeds ``u`` (in [0, 1)) times the row's
-    total: a draw from the row. Never a zero-probability token: the first index past the total is clamped
-    to the first that reaches it."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    picked = torch.searchsorted(cdf, u * total, right=True)
-    return torch.minimum(picked, torch.searchsorted(cdf, total))[:, 0]
 
 
 TOP_P_CANDIDATES = 256

@@ -2,7 +2,9 @@
 environment (``python llama_cpp_peer.py --model F.gguf``; it imports only llama_cpp and numpy). Prints one JSON
 object: single-stream decode tokens/s after a 32- and a 1,024-token prompt, prefill tokens/s of 1,024 tokens,
 and batched output tokens/s with B sequences per ``llama_decode`` (the low-level batch API, as llama.cpp's own
-batched example and server run them), wall time including each prompt's prefill.
+batched example and server run them), wall time including each prompt's prefill. With ``--workload F.json``
+(``{"prompts": [[ids]], "output_lens": [n]}``, as ``tandem bench offline`` writes it) it runs that workload
+instead, every request in one continuous batch that ends each sequence after its own output length.
 """
 
 from __future__ import annotations
@@ -30,52 +32,75 @@ def single(llm, prompt: list[int], new: int) -> tuple[float, float]:
 
 
 def batched(model_path: str, threads: int, size: int, prompt_len: int, new: int, vocab_hi: int) -> dict:
-    import llama_cpp
+    """``size`` random prompts of ``prompt_len`` tokens, ``new`` tokens each: the workload mode's loop with one
+    length, plus the decode phase's own rate."""
+    prompts = np.random.default_rng(size).integers(100, vocab_hi, (size, prompt_len)).tolist()
+    out = workload(model_path, threads, prompts, [new] * size)
+    out["decode_phase_tok_s"] = size * (new - 1) / (out["wall_s"] - out["prefill_s"])
+    return out
 
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), llama_cpp.llama_model_default_params())
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = size * (prompt_len + new) + 64, max(512, size), 512, size
-    cp.n_threads = cp.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    batch = llama_cpp.llama_batch_init(max(512, size), 0, size)
 
-    def add(tok: int, pos: int, seq: int, logits: bool) -> None:
-        i = batch.n_tokens
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
-        batch.seq_id[i][0] = seq
-        batch.n_tokens += 1
+class Batch:
+    """One context with room for ``seqs`` sequences of ``ctx`` tokens in all, and its token batch."""
 
-    def argmax(i: int) -> int:
-        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+    def __init__(self, model_path: str, threads: int, seqs: int, ctx: int) -> None:
+        import llama_cpp
 
-    prompts = np.random.default_rng(size).integers(100, vocab_hi, (size, prompt_len))
+        self.lib = llama_cpp
+        self.model = llama_cpp.llama_model_load_from_file(model_path.encode(), llama_cpp.llama_model_default_params())
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = ctx + 64, max(512, seqs), 512, seqs
+        cp.n_threads = cp.n_threads_batch = threads
+        self.n_batch = cp.n_batch
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, seqs)
+
+    def decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        """(token, position, sequence, wants logits) for each token, in one ``llama_decode``."""
+        b = self.batch
+        b.n_tokens = 0
+        for i, (tok, pos, seq, logits) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(tokens)
+        assert self.lib.llama_decode(self.ctx, b) == 0
+
+    def argmax(self, i: int) -> int:
+        logits = self.lib.llama_get_logits_ith(self.ctx, i)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
+def workload(model_path: str, threads: int, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Every request at once: prompts prefilled in n_batch chunks (greedy first tokens), then one decode per
+    step for every sequence still short of its output length. Output tokens/s over the whole wall time."""
+    b = Batch(model_path, threads, len(prompts), sum(len(p) + n for p, n in zip(prompts, output_lens, strict=True)))
     t0 = time.perf_counter()
-    work = [(s, j, int(prompts[s, j])) for s in range(size) for j in range(prompt_len)]
-    nxt = [0] * size
-    for c in range(0, len(work), cp.n_batch):
-        batch.n_tokens = 0
-        chunk = work[c : c + cp.n_batch]
-        for s, j, tok in chunk:
-            add(tok, j, s, j == prompt_len - 1)
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        for k, (s, j, _) in enumerate(chunk):
-            if j == prompt_len - 1:
-                nxt[s] = argmax(k)
+    work = [(tok, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, tok in enumerate(p)]
+    nxt, made = [0] * len(prompts), [1] * len(prompts)
+    for c in range(0, len(work), b.n_batch):
+        chunk = work[c : c + b.n_batch]
+        b.decode(chunk)
+        for k, (_, _, s, last) in enumerate(chunk):
+            if last:
+                nxt[s] = b.argmax(k)
     prefill = time.perf_counter() - t0
-    for step in range(new - 1):
-        batch.n_tokens = 0
-        for s in range(size):
-            add(nxt[s], prompt_len + step, s, True)
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        nxt = [argmax(s) for s in range(size)]
+    while True:
+        live = [s for s in range(len(prompts)) if made[s] < output_lens[s]]
+        if not live:
+            break
+        b.decode([(nxt[s], len(prompts[s]) + made[s] - 1, s, True) for s in live])
+        for k, s in enumerate(live):
+            nxt[s] = b.argmax(k)
+            made[s] += 1
     wall = time.perf_counter() - t0
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
-    return {"out_tok_s": size * new / wall, "decode_phase_tok_s": size * (new - 1) / (wall - prefill),
-            "wall_s": wall, "prefill_s": prefill}
+    b.close()
+    return {"out_tok_s": sum(output_lens) / wall, "wall_s": wall, "prefill_s": prefill}
 
 
 def main() -> None:
@@ -85,7 +110,16 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="8,32,64")
     p.add_argument("--batch-prompt-len", type=int, default=128)
+    p.add_argument("--workload", help="a JSON workload to run instead (prompts, output_lens)")
     a = p.parse_args()
+    if a.workload:
+        import llama_cpp
+
+        with open(a.workload) as f:
+            w = json.load(f)
+        out = workload(a.model, a.threads, w["prompts"], w["output_lens"])
+        print(json.dumps({"version": llama_cpp.__version__, **out}))
+        return
     import llama_cpp
     from llama_cpp import Llama
 

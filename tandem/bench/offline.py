@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tandem.bench.quant import DEFAULT_LLAMA_PYTHON, PEER_SCRIPT
 
 
 @dataclass(slots=True)
@@ -40,6 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--hf-batch-sizes", default="8,16,32,64")
     p.add_argument("--no-hf", action="store_true", help="skip transformers (tandem figures only)")
+    p.add_argument("--llama-python", default=os.environ.get("TANDEM_LLAMA_PYTHON", DEFAULT_LLAMA_PYTHON),
+                   help="a Python with llama-cpp-python: runs the same workload on the model's GGUF (skipped when "
+                   "it has none)")
     p.add_argument("--single-new-tokens", type=int, default=128)
     p.add_argument("--output-dir", default="bench-results")
     p.add_argument("--scenarios", default="throughput,prefix-cache,chunked-prefill,scheduler",
@@ -195,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from throughput, step-profile, "
                          f"{', '.join(SCENARIOS)}")
     rows = []
+    peer = llama_cpp_workload(args, work, threads) if "throughput" in names else None
     for dtype in args.dtypes.split(",") if "throughput" in names else []:
         row = bench_dtype(args, dtype, work, single_prompt)
         row["roofline_decode_tok_s"] = bw * 1e9 / row["weight_bytes"]
@@ -202,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
         if "hf_best_batch_out_tok_s" in row:
             row["batch_ratio_vs_hf"] = row["tandem_batch_out_tok_s"] / row["hf_best_batch_out_tok_s"]
             row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
+        if peer is not None:
+            row["llama_cpp"] = peer
+            row["batch_ratio_vs_llama_cpp"] = row["tandem_batch_out_tok_s"] / peer["out_tok_s"]
         rows.append(row)
         print(f"  done {dtype}: {json.dumps(row)}", file=sys.stderr)
     scenarios = run_scenarios(args, engine_config(args), [n for n in names if n in SCENARIOS])
@@ -215,6 +225,31 @@ def run(args: argparse.Namespace) -> int:
         print(format_profile(profile))
     write_json(args, rows, bw, scenarios)
     return 0
+
+
+def llama_cpp_workload(args: argparse.Namespace, work: Workload, threads: int) -> dict | None:
+    """llama-cpp-python on the same workload and the model folder's GGUF (its own format: the bundled model's
+    4-bit weights), all requests in one continuous batch; None where there is no such Python or GGUF."""
+    import subprocess
+    import tempfile
+
+    from common.engine_args import resolve_model
+
+    gguf = next(iter(sorted(Path(resolve_model(args.model)).glob("*.gguf"))), None)
+    if gguf is None or not Path(args.llama_python).is_file():
+        print(f"  llama-cpp-python: no GGUF or no {args.llama_python} (build it as ../shared/peers/bench_peers.sh "
+              "does, or pass --llama-python): skipped", file=sys.stderr)
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"prompts": work.prompts, "output_lens": work.output_lens}, f)
+        f.flush()
+        cmd = [args.llama_python, str(PEER_SCRIPT), "--model", str(gguf), "--threads", str(threads),
+               "--workload", f.name]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    peer = json.loads(out.strip().splitlines()[-1])
+    peer["gguf"] = gguf.name
+    print(f"  llama-cpp-python {peer['version']} {gguf.name}: {peer['out_tok_s']:.1f} out tok/s", file=sys.stderr)
+    return peer
 
 
 def run_step_profile(args: argparse.Namespace, bw: float) -> list[dict]:
@@ -251,14 +286,15 @@ def format_table(rows: list[dict], bw: float) -> str:
 
     lines = [
         f"read bandwidth (same run): {bw:.1f} GB/s",
-        "| dtype | tandem batch out tok/s | HF best static (bs) | ratio | tandem 1-stream decode tok/s | "
-        "HF 1-stream | ratio | roofline tok/s | fraction of roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | tandem batch out tok/s | HF best static (bs) | ratio | llama.cpp (GGUF) | ratio | "
+        "tandem 1-stream decode tok/s | HF 1-stream | ratio | roofline tok/s | fraction of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hf = f"{f(r.get('hf_best_batch_out_tok_s'))} (bs{r.get('hf_best_bs', '-')})"
         lines.append(
             f"| {r['dtype']} | {f(r['tandem_batch_out_tok_s'])} | {hf} | {f(r.get('batch_ratio_vs_hf'), '{:.2f}x')} | "
+            f"{f(r.get('llama_cpp', {}).get('out_tok_s'))} | {f(r.get('batch_ratio_vs_llama_cpp'), '{:.2f}x')} | "
             f"{f(r['tandem_single_decode_tok_s'])} | {f(r.get('hf_single_decode_tok_s'))} | "
             f"{f(r.get('single_ratio_vs_hf'), '{:.2f}x')} | {f(r['roofline_decode_tok_s'])} | "
             f"{f(r['single_fraction_of_roofline'] * 100, '{:.0f}%')} |"

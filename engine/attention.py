@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +60,15 @@ def build_metadata(
     spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device, group_by_len: bool = True
 ) -> AttentionMetadata:
     """Turn (num_computed_before, num_new, block_ids) per request into step metadata."""
+    if not group_by_len and spans and all(new == 1 for _, new, _ in spans):
+        return decode_metadata(spans, block_size, device)
+    return general_metadata(spans, block_size, device, group_by_len)
+
+
+def general_metadata(
+    spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device, group_by_len: bool
+) -> AttentionMetadata:
+    """``build_metadata`` of any step: prefills, decodes grouped by length or not."""
     slots, decodes, prefills = [], [], []
     start = 0
     for computed, new, block_ids in spans:
@@ -78,6 +88,34 @@ def build_metadata(
         prefills=prefills,
         all_decode=not prefills and len(groups) == 1,
     )
+
+
+def decode_metadata(
+    spans: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """``build_metadata`` of a step where every request decodes one token, as one group: the common step of a
+    large batch, built with a handful of array operations instead of several tensor ops per request (at 256
+    requests that was ~10 ms a step)."""
+    n = len(spans)
+    lens = np.fromiter((computed + 1 for computed, _, _ in spans), dtype=np.int64, count=n)
+    max_blocks = int(-(-lens.max() // block_size))
+    table = np.zeros((n, max_blocks), dtype=np.int64)
+    for i, (_, _, ids) in enumerate(spans):
+        k = min(len(ids), max_blocks)
+        table[i, :k] = ids[:k]
+    last = lens - 1
+    slots = table[np.arange(n), last // block_size] * block_size + last % block_size
+    width = max_blocks * block_size
+    blocks = torch.from_numpy(table)
+    group = DecodeGroup(
+        token_index=torch.arange(n, device=device),
+        blocks=blocks.flatten().to(device),
+        pad_mask=torch.from_numpy(np.arange(width)[None, :] >= lens[:, None]).view(1, n, 1, width).to(device),
+        block_table=blocks.to(device=device, dtype=torch.int32),
+        context_lens=torch.from_numpy(lens).to(device=device, dtype=torch.int32),
+    )
+    return AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), decodes=[group], prefills=[],
+                             all_decode=True)
 
 
 def group_by_length(decodes: list[_Decode]) -> list[list[_Decode]]:

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.quant import DEFAULT_LLAMA_PYTHON, PEER_SCRIPT
+# llama-cpp-python runs in its own environment, as ../shared/peers builds it (tandem bench quant uses it too)
+PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
+DEFAULT_LLAMA_PYTHON = "/tmp/peers/venv-llama/bin/python"
 
 
 @dataclass(slots=True)

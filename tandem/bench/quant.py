@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
-DEFAULT_LLAMA_PYTHON = "/tmp/peers/venv-llama/bin/python"
+from tandem.bench.offline import DEFAULT_LLAMA_PYTHON, PEER_SCRIPT
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

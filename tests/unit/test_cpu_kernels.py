@@ -16,7 +16,13 @@ import torch
 from common.engine_args import add_engine_args, engine_config
 from common.paths import kernels_dir
 from engine import Engine, SamplingParams, cpu_ops
-from engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, build_metadata
+from engine.attention import (
+    CpuPagedAttentionBackend,
+    TorchAttentionBackend,
+    build_metadata,
+    decode_metadata,
+    general_metadata,
+)
 from engine.kernels import CpuKernels, TorchKernels
 from tests.unit.test_engine_correctness import assert_same_tokens_close_logprobs, batch_logprobs
 
@@ -150,6 +156,21 @@ def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
     for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
         want[group.token_index] = ref.decode(q[group.token_index], cache, group)
     close(got, want, tol)
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 17, 3, 64, 100], list(range(1, 300, 7))])
+def test_decode_only_metadata_equals_the_general_path(lens):
+    """The array-built metadata of an all-decode step holds exactly what the per-request path builds."""
+    _, _, spans = _paged_case(torch.float32, lens, 4, 2)
+    spans = [(c, n, ids + [999]) for c, n, ids in spans]  # a request may hold a block beyond its context
+    fast = decode_metadata(spans, 4, torch.device("cpu"))
+    slow = general_metadata(spans, 4, torch.device("cpu"), group_by_len=False)
+    assert fast.all_decode and slow.all_decode and not fast.prefills
+    assert torch.equal(fast.slot_mapping, slow.slot_mapping)
+    [f], [s] = fast.decodes, slow.decodes
+    for name in ("token_index", "blocks", "pad_mask", "block_table", "context_lens"):
+        a, b = getattr(f, name), getattr(s, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def test_paged_decode_attention_is_batch_invariant(ops):

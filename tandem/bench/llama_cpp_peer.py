@@ -79,7 +79,9 @@ class Batch:
 def workload(model_path: str, threads: int, prompts: list[list[int]], output_lens: list[int]) -> dict:
     """Every request at once: prompts prefilled in n_batch chunks (greedy first tokens), then one decode per
     step for every sequence still short of its output length. Output tokens/s over the whole wall time."""
-    b = Batch(model_path, threads, len(prompts), sum(len(p) + n for p, n in zip(prompts, output_lens, strict=True)))
+    # llama.cpp gives each sequence n_ctx / n_seq_max positions: room for the longest in every slot
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
+    b = Batch(model_path, threads, len(prompts), len(prompts) * longest)
     t0 = time.perf_counter()
     work = [(tok, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, tok in enumerate(p)]
     nxt, made = [0] * len(prompts), [1] * len(prompts)

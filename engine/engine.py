@@ -228,7 +228,7 @@ class Engine:
             self.spec.expand(sched, self.kv, self.config.max_num_batched_tokens, self.config.max_model_len)
         sampling = [s for s in sched.scheduled if s.samples]
         t1 = time.perf_counter()
-        logits = self.runner.execute(sched, float_logits=not argmax_only(sampling))
+        logits = self.runner.execute(sched)
         tokens, logprobs, dead = self._sample(logits, sampling)
         t2 = time.perf_counter()
         outputs = self._update(sched.scheduled, sampling, tokens, logprobs, dead)
@@ -470,11 +470,3 @@ class Engine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
-
-
-def argmax_only(sampling: list[ScheduledRequest]) -> bool:
-    """Whether every sampled row needs only its argmax (greedy, no penalties, logprobs, grammar or draft): then
-    the logits may stay in the model's dtype, whose argmax is that of their exact float32 widening."""
-    return all(not s.draft and s.request.grammar is None and s.request.params.logprobs is None
-               and s.request.params.greedy and not s.request.params.has_penalties for s in sampling)
-

@@ -67,10 +67,9 @@ class ModelRunner:
         return max(1, int(gigabytes * 2**30) // self.block_bytes)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, float_logits: bool = True) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits for the requests whose step ends in a sample, in order: one row each, or ``1 + len(draft)``
-        rows for a request with a speculative draft (the target's distribution after each drafted token).
-        float32, unless ``float_logits`` is False (then the model's dtype, for steps that only take argmaxes)."""
+        rows for a request with a speculative draft (the target's distribution after each drafted token)."""
         ids, positions, spans, sample_rows = [], [], [], []
         offset = 0
         for s in sched.scheduled:
@@ -91,4 +90,4 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
         if not sample_rows:
             return hidden.new_empty(0, self.model.lm_head.shape[0], dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)], float_logits)
+        return self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])

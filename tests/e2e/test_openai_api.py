@@ -302,6 +302,7 @@ def test_aiperf_runs_against_the_http_front_without_errors(cluster, aiperf, defa
            "--url", root(cluster), "--endpoint-type", endpoint, "--streaming", "--concurrency", "2",
            "--request-count", "6", "--synthetic-input-tokens-mean", "32", "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--random-seed", "0",
+           "--extra-inputs", '{"ignore_eos": true}',  # exactly 8 tokens each, whatever the sampler draws
            "--use-server-token-count", "--output-artifact-dir", str(out), "--export-level", "summary",
            "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry"]
     try:

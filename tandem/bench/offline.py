@@ -232,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
 def llama_cpp_workload(args: argparse.Namespace, work: Workload, threads: int) -> dict | None:
     """llama-cpp-python on the same workload and the model folder's GGUF (its own format: the bundled model's
     4-bit weights), all requests in one continuous batch; None where there is no such Python or GGUF."""
-    import subprocess
     import tempfile
 
     from common.engine_args import resolve_model
@@ -245,13 +244,19 @@ def llama_cpp_workload(args: argparse.Namespace, work: Workload, threads: int) -
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump({"prompts": work.prompts, "output_lens": work.output_lens}, f)
         f.flush()
-        cmd = [args.llama_python, str(PEER_SCRIPT), "--model", str(gguf), "--threads", str(threads),
-               "--workload", f.name]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    peer = json.loads(out.strip().splitlines()[-1])
+        peer = run_llama_peer(args.llama_python, gguf, threads, "--workload", f.name)
     peer["gguf"] = gguf.name
     print(f"  llama-cpp-python {peer['version']} {gguf.name}: {peer['out_tok_s']:.1f} out tok/s", file=sys.stderr)
     return peer
+
+
+def run_llama_peer(python: str, gguf: Path, threads: int, *flags: str) -> dict:
+    """``llama_cpp_peer.py`` on ``gguf`` in llama-cpp-python's own Python: the JSON object it prints last."""
+    import subprocess
+
+    cmd = [python, str(PEER_SCRIPT), "--model", str(gguf), "--threads", str(threads), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def run_step_profile(args: argparse.Namespace, bw: float) -> list[dict]:

@@ -18,14 +18,13 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tandem.bench.offline import DEFAULT_LLAMA_PYTHON, PEER_SCRIPT
+from tandem.bench.offline import DEFAULT_LLAMA_PYTHON, run_llama_peer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -81,11 +80,9 @@ def bench_llama_cpp(args: argparse.Namespace, gguf: Path, threads: int) -> dict 
         print(f"  llama-cpp-python: no {args.llama_python} (build it as ../shared/peers/bench_peers.sh does, or "
               "pass --llama-python): skipped", file=sys.stderr)
         return None
-    cmd = [args.llama_python, str(PEER_SCRIPT), "--model", str(gguf), "--threads", str(threads),
-           "--new-tokens", str(args.new_tokens), "--batch-sizes", ",".join(map(str, args.sizes)),
-           "--batch-prompt-len", str(args.batch_prompt_len)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    peer = json.loads(out.strip().splitlines()[-1])
+    peer = run_llama_peer(args.llama_python, gguf, threads, "--new-tokens", str(args.new_tokens),
+                          "--batch-sizes", ",".join(map(str, args.sizes)),
+                          "--batch-prompt-len", str(args.batch_prompt_len))
     peer["config"] = f"llama-cpp-python {peer.pop('version')} {gguf.name}"
     peer["batch_decode_phase"] = {b: v["decode_phase_tok_s"] for b, v in peer["batch"].items()}
     peer["batch"] = {b: v["out_tok_s"] for b, v in peer["batch"].items()}

@@ -88,18 +88,22 @@ class TimedAttention:
 
     def __init__(self, inner: Any, rec: Recorder) -> None:
         self.inner, self.rec = inner, rec
+        self._meta: Any = None  # the step whose key counts are cached: every layer shares its metadata
+        self._keys = self._pairs = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: Any) -> Any:
         a = self.inner
+        if meta is not self._meta:  # once per step, not per layer: the step's "other" would carry it 30 times
+            self._meta = meta
+            self._keys = sum(int(g.context_lens.sum()) for g in meta.decodes)
+            self._keys += sum(s.context_len for s in meta.prefills)
+            self._pairs = self._keys + sum(s.length * s.context_len / 2 for s in meta.prefills)  # causal pairs
         row = a.num_kv_heads * a.head_dim * kv.element_size()  # one token's K (or V) of one layer
-        keys = sum(int(g.context_lens.sum()) for g in meta.decodes)
-        keys += sum(s.context_len for s in meta.prefills)
-        pairs = keys + sum(s.length * s.context_len / 2 for s in meta.prefills)  # query-key pairs (causal)
-        moved = 2 * keys * row + 2 * q.nbytes
-        flops = 4.0 * pairs * a.num_heads * a.head_dim
+        moved = 2 * self._keys * row + 2 * q.nbytes
+        flops = 4.0 * self._pairs * a.num_heads * a.head_dim
         return self.rec.timed("attention", lambda: a.forward(q, k, v, kv, meta), moved, flops)
 
 

@@ -48,7 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
                    default=env_default("--cpu-kernels", True, bool),
                    help="on CPU, the compiled kernels (built once into $TANDEM_HOME/kernels); off: plain torch ops")
-    g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int))
+    g.add_argument("--num-threads", type=int, default=env_default("--num-threads", None, int),
+                   help="torch threads of each process (of each rank, with tensor parallelism)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=env_default("--tensor-parallel-size", 1),
+                   help="ranks this worker splits the model over (one process each; gloo on CPU, NCCL on CUDA, "
+                        "where each rank needs a GPU of its own): heads and MLP width must divide evenly, KV heads "
+                        "divide or are replicated")
     g.add_argument("--grammar-compile-timeout-s", type=float, default=env_default("--grammar-compile-timeout-s", 10.0),
                    help="structured outputs: a constraint that takes longer to compile is refused (INVALID_ARGUMENT)")
     g.add_argument("--grammar-cache-size", type=int, default=env_default("--grammar-cache-size", 256),
@@ -116,6 +121,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=args.cpu_kernels,
         kernel_cache_dir=str(kernels_dir()),
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         grammar_cache_size=args.grammar_cache_size,
         speculative_method=args.speculative_method,

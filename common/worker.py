@@ -38,6 +38,7 @@ from common.settings import env_default
 from common.status import DEFAULT_STATUSES, handled_view, internal
 from common.tls import ServiceTLS, add_tls_args, setup
 from engine.block_hash import prompt_block_hashes
+from engine.errors import EngineDeadError
 from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import common_pb2 as cpb
@@ -66,6 +67,8 @@ SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 METRICS = WorkerMetrics()
 STATUSES = DEFAULT_STATUSES.extend({
     RuntimeError: internal(),  # the engine step failed: a bug, not the caller's fault (its message says which)
+    # A tensor-parallel rank died: this worker is going away, the gateway moves the request elsewhere.
+    EngineDeadError: lambda exc: (grpc.StatusCode.UNAVAILABLE, f"this worker's engine died: {exc}"),
     # Decode catches it to answer FINISH_REASON_MIGRATE; escaping anywhere else, the gateway should retry.
     RequestHandedBack: lambda exc: (grpc.StatusCode.UNAVAILABLE, f"this worker handed request {exc} back"),
 })
@@ -313,7 +316,9 @@ def build_engine(
     return AsyncEngine(Engine(config, connector)), connector
 
 
-async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace, tls: ServiceTLS | None = None) -> None:
+async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace, tls: ServiceTLS | None = None) -> bool:
+    """Serve until SIGTERM (then drain; True) or until the engine dies (False: the process should exit
+    with an error, so that it is restarted)."""
     server = await start_server(
         [Service(SERVICE_NAME, wpb_grpc.add_WorkerServicer_to_server, servicer, STATUSES)],
         args.host,
@@ -321,17 +326,25 @@ async def serve(name: str, servicer: WorkerServicer, args: argparse.Namespace, t
         tls,
     )
     stop = stop_signal()
+    loop = asyncio.get_running_loop()
+    servicer.engine.engine.on_dead(lambda why: loop.call_soon_threadsafe(stop.set))  # a rank died: exit
     servicer.server = server
     register_state(servicer.engine_state)
     extra = start_observability(name, args.host, server.port, args.metrics_port)
     announce(name, grpc=f"{args.host}:{server.port}", role=servicer.role, **server.ready_fields(args.host), **extra)
     await stop.wait()
+    if servicer.engine.dead is not None:  # its calls already failed UNAVAILABLE: nothing to drain
+        log.error("the %s worker stops: %s", name, servicer.engine.dead)
+        await server.stop(grace=1)
+        stop_observability()
+        return False
     # SIGTERM drains: readiness goes false, running decodes are handed back to the gateway (which
     # moves them to other workers), running prefills finish; then the server stops.
     await servicer.drain()
     await servicer.wait_idle(args.drain_timeout_s)
     await server.stop(grace=1)
     stop_observability()
+    return True
 
 
 def run(name: str, args: argparse.Namespace, make: Callable[[argparse.Namespace], WorkerServicer]) -> int:
@@ -343,9 +356,9 @@ def run(name: str, args: argparse.Namespace, make: Callable[[argparse.Namespace]
         log.error("the %s worker cannot start: %s", name, exc)
         return 1
     try:
-        asyncio.run(serve(name, servicer, args, tls))
+        ok = asyncio.run(serve(name, servicer, args, tls))
     finally:
         servicer.engine.shutdown()
         if servicer.connector is not None:
             servicer.connector.close()
-    return 0
+    return 0 if ok else 1

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.engine import Engine
+from engine.errors import EngineDeadError
 from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineLoad
@@ -44,6 +45,8 @@ class AsyncEngine:
         # Replaced whole by the engine thread after every change, read by anyone: never half-updated.
         self.load: EngineLoad = engine.load_snapshot()
         self.num_compiling = 0  # requests waiting for their structured-output grammar to compile
+        self.dead: str | None = None  # why the engine cannot step any more (a tensor-parallel rank died)
+        engine.on_dead(self._died)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -101,6 +104,10 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        self.engine.close()
+
+    def _died(self, why: str) -> None:
+        self.dead = why
 
     def _run(self) -> None:
         while True:
@@ -116,6 +123,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except EngineDeadError as exc:  # UNAVAILABLE: the gateway moves them to another worker
+                self._fail_all(exc)
+                continue
             except Exception as exc:  # a bug in a step fails its requests instead of hanging them
                 self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
                 continue
@@ -150,6 +160,9 @@ class AsyncEngine:
             if item.hand_back and known and target is not None:
                 _send(*target, RequestHandedBack(item.request_id))
             item.done.set_result(None)
+            return
+        if self.dead is not None:
+            _send(item.sink, item.loop, EngineDeadError(self.dead))
             return
         try:
             self.engine.add_request(item.prompt, item.params, item.request_id, item.options)

@@ -2,7 +2,7 @@
 
 A full block's key is a chained SHA-256 (ARCHITECTURE.md, "KV blocks and their keys")::
 
-    h0  = sha256(b"tandem-kv-v1" | model_fingerprint | cache_salt)
+    h0  = sha256(b"tandem-kv-v2" | model_fingerprint | cache_salt)
     h_i = sha256(h_{i-1} | token ids of block i as little-endian int32)
 
 so a key names the whole prefix up to and including its block, for one model,
@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.kv_blocks import KV_LAYOUT
 
-HASH_DOMAIN = b"tandem-kv-v1"
+HASH_DOMAIN = b"tandem-kv-v2"  # v2: the head-major block layout (engine.kv_blocks.KV_LAYOUT)
 HASH_BYTES = 32
 
 _SAMPLES_PER_FILE = 16

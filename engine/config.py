@@ -183,6 +183,8 @@ class EngineConfig:
     # from model.
     quantization: str = "auto"
     gguf_file: str | None = None
+    # Ranks one worker splits the model over (engine.parallel): rank 0 runs the engine, the others follow.
+    tensor_parallel_size: int = 1
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +209,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_path(self.model)
+        from engine.parallel.shard import check_degree  # here: it imports this module
+
+        check_degree(self.model_config, self.tensor_parallel_size)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit

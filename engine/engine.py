@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.loader import weights_id
-from engine.model_runner import ModelRunner
+from engine.parallel.build import build_runner
 from engine.request import Request, RequestOptions, RequestOutput, RequestStatus, RequestTimes, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = config.model_config
-        self.runner = ModelRunner(config)
+        self.runner = build_runner(config)  # a TPExecutor driving every rank at tensor_parallel_size > 1
         self.fingerprint = model_fingerprint(
             self.model_config.to_dict(),
             config.dtype,
@@ -96,6 +96,16 @@ class Engine:
         queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running)
         return EngineLoad(len(s.running), len(s.waiting), len(s.loading), s.num_unfinished,
                           total - self.num_free_blocks, total, queued)
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """``callback(why)`` once if the engine dies (a tensor-parallel rank is lost); never at degree 1."""
+        if hasattr(self.runner, "on_dead"):
+            self.runner.on_dead(callback)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any; the engine is unusable after."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -5,9 +5,12 @@ fingerprint share. It imports nothing heavy (no torch, no protobuf): the
 launcher sizes the store's slots with it and the kvstore server keeps blocks by
 ``BlockRef`` without loading an engine.
 
-Layout (ARCHITECTURE.md): one block is ``[num_layers, 2, block_size,
-num_kv_heads, head_dim]`` (K then V) in the model dtype; a batch of blocks
-prepends ``n``.
+Layout (README, "KV blocks"): one block is ``[num_kv_heads, num_layers, 2,
+block_size, head_dim]`` (K then V) in the model dtype; a batch of blocks
+prepends ``n``. KV heads come first so that the heads one tensor-parallel rank
+holds are one contiguous byte range of the block, whatever the degree of the
+worker that wrote it: a rank of a TP=2 decode worker reads the first or second
+half of a block a TP=1 prefill worker wrote, and the other way round.
 
 Name: a full block is shared under its content key (``engine.block_hash``, 32
 bytes); the trailing partial block of a prompt is never shared, so it is named
@@ -22,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 # Bump when the bytes of a block change meaning: the layout below, or how K/V are stored. It feeds the
 # model fingerprint, so blocks of another layout never share a key.
-KV_LAYOUT = "v1:[num_layers,2,block_size,num_kv_heads,head_dim]"
+KV_LAYOUT = "v2:[num_kv_heads,num_layers,2,block_size,head_dim]"
 
 
 class KVDims(Protocol):
@@ -38,9 +41,17 @@ class KVDims(Protocol):
     def head_dim(self) -> int: ...
 
 
-def wire_block_shape(model: KVDims, block_size: int) -> tuple[int, int, int, int, int]:
-    """One block on the wire, the layout ``KV_LAYOUT`` names."""
-    return (model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+def wire_block_shape(model: KVDims, block_size: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int, int]:
+    """One block on the wire, the layout ``KV_LAYOUT`` names; with ``num_kv_heads``, a slice of that
+    many heads of it (what one tensor-parallel rank holds)."""
+    heads = model.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return (heads, model.num_layers, 2, block_size, model.head_dim)
+
+
+def head_slice_bytes(model: KVDims, block_size: int, itemsize: int, first_head: int, num_heads: int) -> tuple[int, int]:
+    """Where heads ``first_head .. first_head + num_heads`` lie in a block: (byte offset, byte length)."""
+    per_head = math.prod(wire_block_shape(model, block_size, 1)) * itemsize
+    return first_head * per_head, num_heads * per_head
 
 
 def wire_block_bytes(model: KVDims, block_size: int, itemsize: int) -> int:

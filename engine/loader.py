@@ -18,6 +18,7 @@ from engine.block_hash import weights_digest
 from engine.config import ModelConfig
 from engine.kernels import TorchKernels, Weight
 from engine.model import LayerWeights, LlamaModel
+from engine.parallel.shard import TPShard
 from engine.quant import Fp8Weight, QuantizedWeight, concat_rows, dequantize, quantize_fp8, quantize_int8
 
 QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}  # quantized at load, from the float checkpoint
@@ -37,8 +38,17 @@ def load_model(
     kernels: TorchKernels | None = None,
     quantization: str = "none",
     gguf_file: str | Path | None = None,
+    shard: TPShard | None = None,
 ) -> LlamaModel:
-    """``quantization``: "none", "int8" / "fp8" (per-channel, from the float checkpoint) or "gguf" (``gguf_file``)."""
+    """``quantization``: "none", "int8" / "fp8" (per-channel, from the float checkpoint) or "gguf" (``gguf_file``).
+
+    ``shard``: the part of the model one tensor-parallel rank holds (whole by default); weights are cut
+    before they are quantized, so per-channel scales stay per channel.
+    """
+    shard = shard or TPShard.of(config)
+    if shard.size > 1 and quantization == "gguf":
+        raise ValueError("--tensor-parallel-size > 1 needs float weights (or --quantization int8 / fp8, "
+                         "quantized after the cut): a GGUF file's blocks are not cut across ranks yet")
     if quantization == "gguf":
         get = _gguf_getter(Path(gguf_file or ""), config, dtype)
     elif load_format == "dummy":
@@ -55,18 +65,20 @@ def load_model(
             return None
         if isinstance(t, QuantizedWeight):
             return t.to(device)
-        t = t.to(dtype=dtype, device=device)
+        t = shard.slice(name, t).to(dtype=dtype, device=device)
         quantize = QUANTIZERS.get(quantization)
         return quantize(t).to(device) if quantize and name.endswith(QUANTIZED_LINEARS) else t
 
     layers = [_layer(tensor, i, config) for i in range(config.num_layers)]
     embed = tensor("model.embed_tokens.weight")
-    lm_head = None if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
-    if lm_head is None:  # tied (checkpoints saved with tied weights sometimes omit the flag)
-        lm_head = QUANTIZERS[quantization](embed).to(device) if quantization in QUANTIZERS else embed
+    lm_head = None
+    if shard.rank == 0:  # the other ranks sample nothing (engine.parallel)
+        lm_head = None if config.tie_word_embeddings else tensor("lm_head.weight", required=False)
+        if lm_head is None:  # tied (checkpoints saved with tied weights sometimes omit the flag)
+            lm_head = QUANTIZERS[quantization](embed).to(device) if quantization in QUANTIZERS else embed
     if isinstance(embed, QuantizedWeight):
         embed = dequantize(embed, dtype).to(device)  # the lookup reads a few rows: only lm_head streams it
-    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels)
+    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels, shard)
 
 
 def _fuse(parts: list[Weight]) -> Weight:

@@ -10,6 +10,7 @@ through ``engine.kernels`` (compiled CPU kernels, or eager torch).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.kernels import TorchKernels
+from engine.parallel.shard import TPShard
 
 
 class LayerWeights:
@@ -36,19 +38,24 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: torch.Tensor | None,
         max_len: int,
         kernels: TorchKernels | None = None,
+        shard: TPShard | None = None,
     ) -> None:
         self.config = config
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.lm_head = lm_head  # None on tensor-parallel ranks other than 0: they sample nothing
+        shard = shard or TPShard.of(config)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
         self.kernels = kernels or TorchKernels()
+        # Tensor parallelism: sums the row-parallel layers' partial outputs over the ranks, in place.
+        self.reduce: Callable[[torch.Tensor], None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,20 +77,25 @@ class LlamaModel:
         cfg, ops = self.config, self.kernels
         rope = ops.rope_tables(self.cos, self.sin, positions)
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        n = x.shape[0]
-        qk_heads = cfg.num_heads + cfg.num_kv_heads
+        n, d = x.shape[0], cfg.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         delta = None  # what the last sub-block adds to the residual stream
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = self._norm(x, delta, layer.input_norm)
             qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
-            ops.rope_(qkv, rope, qk_heads, cfg.head_dim)
-            q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            delta = ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj)
+            ops.rope_(qkv, rope, heads + kv_heads, d)
+            q = qkv[:, : self.q_size].view(n, heads, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kv_heads, d)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
+            delta = self._reduced(ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj))
             h = self._norm(x, delta, layer.post_norm)
-            delta = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+            delta = self._reduced(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
         return self._norm(x, delta, self.norm)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            self.reduce(partial)
+        return partial
 
     def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps

@@ -1,4 +1,4 @@
-"""Owns the model weights and the paged KV cache tensors; runs one scheduled step."""
+"""Owns the model weights and the paged KV cache tensors (of one tensor-parallel rank); runs one step."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from engine.config import EngineConfig
 from engine.kernels import load_cpu_ops, select_kernels
 from engine.kv_blocks import wire_block_bytes, wire_block_shape
 from engine.loader import load_model
+from engine.parallel.group import RankGroup
+from engine.parallel.shard import TPShard
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import StepInputs
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, shard: TPShard | None = None, group: RankGroup | None = None) -> None:
         mc = config.model_config
         assert mc is not None
         self.config = config
+        self.shard = shard or TPShard.of(mc)
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         ops = load_cpu_ops(self.device, config.cpu_kernels, config.kernel_cache_dir)
@@ -31,9 +35,13 @@ class ModelRunner:
             select_kernels(self.device, ops),
             config.quantization,
             config.gguf_file,
+            self.shard,
         )
+        if group is not None and group.size > 1:
+            self.model.reduce = group.all_reduce
         self.attn = select_backend(
-            config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.block_size, ops
+            config.attention_backend, self.device, self.shard.num_heads, self.shard.num_kv_heads, mc.head_dim,
+            self.block_size, ops,
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
         shape = self.attn.cache_shape(self.num_blocks)
@@ -43,51 +51,54 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over all layers: the wire size of a block."""
+        """Bytes of one block over all layers in this rank's cache: its KV heads only."""
         itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        return wire_block_bytes(self.config.model_config, self.block_size, itemsize)
+        return wire_block_bytes(self.config.model_config, self.block_size, itemsize) * self.shard.num_kv_heads \
+            // self.config.model_config.num_kv_heads
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of blocks in the wire layout ``[n, *wire_block_shape]``, on the CPU."""
+    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's heads of blocks, in the wire layout ``[n, *wire_block_shape(heads)]`` on the CPU
+        (into ``out`` when given: e.g. this rank's head range of a buffer of whole blocks)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = torch.stack([self.attn.read_blocks(cache, ids) for cache in self.kv_caches], dim=1)
+        data = data.permute(0, 4, 1, 2, 3, 5)  # [n, L, 2, bs, Hkv, D] -> [n, Hkv, L, 2, bs, D]
+        if out is not None:
+            out.copy_(data)
+            return out
         return data.to("cpu").contiguous()
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``)."""
-        expected = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
-        if tuple(data.shape) != expected:
-            raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {expected}")
+        """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``):
+        whole blocks, of which this rank takes its heads, or this rank's heads only."""
+        mc, shard = self.config.model_config, self.shard
+        whole = (len(block_ids), *wire_block_shape(mc, self.block_size))
+        mine = (len(block_ids), *wire_block_shape(mc, self.block_size, shard.num_kv_heads))
+        if tuple(data.shape) == whole and whole != mine:
+            data = data[:, shard.first_kv_head : shard.first_kv_head + shard.num_kv_heads]
+        elif tuple(data.shape) != mine:
+            raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {whole}")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(device=self.device, dtype=self.config.torch_dtype)
         for layer, cache in enumerate(self.kv_caches):
-            self.attn.write_blocks(cache, ids, data[:, layer])
+            self.attn.write_blocks(cache, ids, data[:, :, layer].permute(0, 2, 3, 1, 4))
 
     def _blocks_for(self, gigabytes: float) -> int:
         return max(1, int(gigabytes * 2**30) // self.block_bytes)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits for the requests whose step ends in a sample, in order: one row each, or ``1 + len(draft)``
         rows for a request with a speculative draft (the target's distribution after each drafted token)."""
-        ids, positions, spans, sample_rows = [], [], [], []
-        offset = 0
-        for s in sched.scheduled:
-            r, start = s.request, s.request.num_computed_tokens
-            ids.extend(r.token_ids(start, start + s.num_tokens - len(s.draft)))
-            ids.extend(s.draft)
-            positions.extend(range(start, start + s.num_tokens))
-            if s.draft:  # each verified token attends like a decode of its own length: one batched kernel call
-                spans.extend((start + i, 1, r.block_ids) for i in range(s.num_tokens))
-            else:
-                spans.append((start, s.num_tokens, r.block_ids))
-            offset += s.num_tokens
-            if s.samples:
-                sample_rows.extend(range(offset - 1 - len(s.draft), offset))
-        meta = build_metadata(spans, self.block_size, self.device, self.attn.groups_by_length)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.run(StepInputs.of(sched))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass; logits of ``inputs.sample_rows`` (none on a rank without lm_head)."""
+        meta = build_metadata(inputs.spans, self.block_size, self.device, self.attn.groups_by_length)
+        input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
-        if not sample_rows:
-            return hidden.new_empty(0, self.model.lm_head.shape[0], dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        head = self.model.lm_head
+        if not inputs.sample_rows or head is None:
+            rows = self.config.model_config.vocab_size if head is None else head.shape[0]
+            return hidden.new_empty(0, rows, dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(inputs.sample_rows, device=self.device)])

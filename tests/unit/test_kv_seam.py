@@ -39,8 +39,9 @@ def test_the_kvstore_connector_is_both_sides_of_the_seam():
 
 
 def test_one_block_layout_sizes_blocks_and_names_the_fingerprint():
-    assert FINGERPRINTED_LAYOUT is KV_LAYOUT == "v1:[num_layers,2,block_size,num_kv_heads,head_dim]"
-    assert wire_block_shape(Dims(), 16) == (2, 2, 16, 3, 8)
+    assert FINGERPRINTED_LAYOUT is KV_LAYOUT == "v2:[num_kv_heads,num_layers,2,block_size,head_dim]"
+    assert wire_block_shape(Dims(), 16) == (3, 2, 2, 16, 8)
+    assert wire_block_shape(Dims(), 16, 1) == (1, 2, 2, 16, 8)
     assert wire_block_bytes(Dims(), 16, 2) == 2 * 2 * 16 * 3 * 8 * 2
 
 

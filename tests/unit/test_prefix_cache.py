@@ -182,12 +182,12 @@ def test_keys_never_collide_across_salts_or_models():
 
 
 def test_keys_follow_the_contract():
-    """h0 = sha256("tandem-kv-v1" | fingerprint | salt), h_i = sha256(h_{i-1} | int32 LE tokens)."""
+    """h0 = sha256("tandem-kv-v2" | fingerprint | salt), h_i = sha256(h_{i-1} | int32 LE tokens)."""
     import hashlib
     import struct
 
     fp = bytes(range(32))
-    h0 = hashlib.sha256(b"tandem-kv-v1" + fp + b"salt").digest()
+    h0 = hashlib.sha256(b"tandem-kv-v2" + fp + b"salt").digest()
     assert root_hash(fp, "salt") == h0
     h1 = hashlib.sha256(h0 + struct.pack("<4i", 1, 2, 3, 70000)).digest()
     assert block_hash(h0, [1, 2, 3, 70000]) == h1

@@ -1,0 +1,309 @@
+"""Rank 0 of a tensor-parallel worker: the engine's ``ModelRunner`` when ``tensor_parallel_size > 1``.
+
+One scheduler (the engine's, on rank 0) drives every rank: each step, rank 0 broadcasts the step's
+inputs (``StepInputs.pack``, one int64 message) and runs its own shard; the other ranks
+(``engine.parallel.rank``, one process each) receive it and run theirs, meeting rank 0 in the
+all-reduces of the row-parallel layers. Only rank 0 computes logits and samples.
+
+KV blocks cross between ranks through shared memory, never through rank 0's memory of another rank's
+heads: for an export every rank writes its heads straight into their byte range of one buffer of whole
+blocks (the wire layout puts a rank's heads in one contiguous range), for an import every rank reads
+its range of the blocks the connector pulled.
+
+A rank that dies (or a collective that fails) makes the engine dead: every call raises
+``EngineDeadError`` from then on, and ``on_dead`` callbacks run once (the worker exits and the gateway
+moves its streams elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from itertools import count
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+from torch.distributed import TCPStore
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.kv_blocks import wire_block_shape
+from engine.model_runner import ModelRunner
+from engine.parallel.group import RankGroup
+from engine.parallel.shard import TPShard
+from engine.scheduler import SchedulerOutput
+from engine.step_inputs import StepInputs
+
+log = logging.getLogger("tandem.engine.tp")
+
+OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP = range(5)
+TIMEOUT_S = 60.0  # a collective that takes longer means a rank is stuck: the engine is dead
+KEEPALIVE_S = 5.0  # an idle rank 0 sends a no-op this often, so idle ranks never time out
+LOAD_TIMEOUT_S = 600.0
+
+
+class TPExecutor:
+    """The engine's view of all ranks; the same surface as ``ModelRunner`` (whose rank-0 shard it holds)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.config, self.size = config, config.tensor_parallel_size
+        self.dead: str | None = None  # why, once a rank has died
+        self._on_dead: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+        self._shm_ids = count()
+        self._shm_prefix = f"tandem-tp-{os.getpid()}-{id(self):x}"
+        self._last_send = time.monotonic()
+        self.store = TCPStore("127.0.0.1", 0, self.size, True, timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
+        self.procs = [self._spawn(rank) for rank in range(1, self.size)]
+        try:
+            self.local = ModelRunner(config, TPShard.of(mc, 0, self.size))
+            self._wait_loaded()
+            self.group = RankGroup(0, self.size, self.store, self.local.device, TIMEOUT_S)
+        except BaseException:
+            self._kill()
+            raise
+        self.local.model.reduce = self.group.all_reduce
+        self._stop = threading.Event()
+        self._keepalive = threading.Thread(target=self._keep_alive, name="tp-keepalive", daemon=True)
+        self._keepalive.start()
+
+    # The ModelRunner surface the engine and the benchmarks read.
+    @property
+    def model(self):
+        return self.local.model
+
+    @property
+    def attn(self):
+        return self.local.attn
+
+    @attn.setter
+    def attn(self, value) -> None:
+        self.local.attn = value
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.local.kv_caches
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.local.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def shard(self) -> TPShard:
+        return self.local.shard
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """``callback(why)`` once when a rank dies (from whichever thread notices)."""
+        self._on_dead.append(callback)
+        if self.dead is not None:
+            callback(self.dead)
+
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        inputs = StepInputs.of(sched)
+        with self._collective("a step"):
+            self.group.send([OP_STEP, *inputs.pack()])
+            return self.local.run(inputs)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Whole blocks in the wire layout: each rank copies its heads out of one shared buffer."""
+        expected = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {expected}")
+        with self._shared(data.numel() * data.element_size()) as (name, buf):
+            shared = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(expected)
+            shared.copy_(data)
+            with self._collective("a KV import"):
+                self.group.send([OP_IMPORT, name, _dtype_code(data.dtype), len(block_ids), *block_ids])
+                self.local.import_blocks(block_ids, shared)
+                self.group.barrier()
+            del shared  # the segment closes only when nothing points into it
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks in the wire layout, each rank having written its own heads into place."""
+        shape = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.config.torch_dtype).element_size()
+        with self._shared(nbytes) as (name, buf):
+            shared = torch.frombuffer(buf, dtype=self.config.torch_dtype, count=nbytes // self._itemsize).view(shape)
+            with self._collective("a KV export"):
+                self.group.send([OP_EXPORT, name, len(block_ids), *block_ids])
+                s = self.shard
+                self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
+                self.group.barrier()
+            blocks = shared.clone()
+            del shared  # the segment closes only when nothing points into it
+        return blocks
+
+    @property
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=self.config.torch_dtype).element_size()
+
+    def shutdown(self) -> None:
+        """Stop the ranks: they finish on ``OP_STOP``; after a death the survivors are killed."""
+        self._stop.set()
+        if self.dead is None:
+            try:
+                with self._lock:
+                    self.group.send([OP_STOP])
+                for p in self.procs:
+                    p.wait(timeout=10)
+            except Exception:  # a rank is gone or stuck: killed below
+                pass
+        self._kill()
+
+    # --- internals
+
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        job = pickle.dumps({"config": self.config, "rank": rank, "size": self.size, "port": self.store.port,
+                            "shm_prefix": self._shm_prefix, "parent": os.getpid()})
+        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+        proc.stdin.write(job)
+        proc.stdin.close()
+        return proc
+
+    def _wait_loaded(self) -> None:
+        """Until every rank has loaded its shard; a rank that exits first fails the engine's build."""
+        waiting = {p.stdout.fileno(): (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], 0.5)
+            for fd in ready:
+                rank, p = waiting[fd]
+                if p.stdout.readline().strip() == b"loaded":
+                    del waiting[fd]
+            for fd, (rank, p) in list(waiting.items()):
+                if p.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} while "
+                                       "loading its shard (its log is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks {sorted(r for r, _ in waiting.values())} did not load "
+                                   f"their shards within {LOAD_TIMEOUT_S:.0f} s")
+
+    def _collective(self, what: str):
+        return _Collective(self, what)
+
+    def _shared(self, nbytes: int) -> _SharedBuffer:
+        return _SharedBuffer(self._shm_prefix, next(self._shm_ids), nbytes)
+
+    def _dead_rank(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return f"tensor-parallel rank {rank} died (exit code {p.returncode})"
+        return None
+
+    def _check_ranks(self) -> None:
+        why = self._dead_rank()
+        if why is not None:
+            self._die(why)
+
+    def _die(self, why: str) -> None:
+        first = self.dead is None
+        if first:
+            self.dead = why
+            log.error("the engine is dead: %s", why)
+            for callback in self._on_dead:
+                callback(why)
+        raise EngineDeadError(self.dead)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(1.0):
+            if self.dead is not None:
+                return
+            try:
+                with self._lock:
+                    self._check_ranks()
+                    if time.monotonic() - self._last_send >= KEEPALIVE_S:
+                        self._send_locked([OP_NOOP])
+            except EngineDeadError:
+                return
+
+    def _send_locked(self, words: list[int]) -> None:
+        try:
+            self.group.send(words)
+        except Exception as exc:
+            self._die(self._dead_rank() or f"a tensor-parallel broadcast failed: {exc!r}")
+        self._last_send = time.monotonic()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+            if p.stdout:
+                p.stdout.close()
+
+
+class _Collective:
+    """Holds the executor's lock around one operation all ranks take part in. Any failure inside one
+    leaves the ranks out of step, so it kills the engine: it comes out as ``EngineDeadError``."""
+
+    def __init__(self, executor: TPExecutor, what: str) -> None:
+        self.executor, self.what = executor, what
+
+    def __enter__(self) -> None:
+        ex = self.executor
+        ex._lock.acquire()
+        try:
+            if ex.dead is not None:
+                raise EngineDeadError(ex.dead)
+            ex._check_ranks()
+        except BaseException:
+            ex._lock.release()
+            raise
+        ex._last_send = time.monotonic()
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        ex = self.executor
+        try:
+            if isinstance(exc, Exception) and not isinstance(exc, EngineDeadError):
+                ex._die(ex._dead_rank() or f"tensor-parallel ranks fell out of step during {self.what}: {exc!r}")
+            return False
+        finally:
+            ex._lock.release()
+
+
+class _SharedBuffer:
+    """A shared-memory segment the ranks find by name (prefix and number) for one KV import or export."""
+
+    def __init__(self, prefix: str, number: int, nbytes: int) -> None:
+        self.number = number
+        self.shm = shared_memory.SharedMemory(name=f"{prefix}-{number}", create=True, size=max(1, nbytes))
+
+    def __enter__(self) -> tuple[int, memoryview]:
+        return self.number, self.shm.buf
+
+    def __exit__(self, *exc) -> None:
+        self.shm.close()
+        self.shm.unlink()
+
+
+def attach(prefix: str, number: int) -> shared_memory.SharedMemory:
+    """A rank's view of rank 0's buffer ``number`` (rank 0 unlinks it: this process must not)."""
+    shm = shared_memory.SharedMemory(name=f"{prefix}-{number}", create=False)
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (Python < 3.13 has no track=False)
+    return shm
+
+
+DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return DTYPE_CODES.index(dtype)

@@ -1,0 +1,109 @@
+"""A tensor-parallel rank other than 0: loads its shard, then does what rank 0 broadcasts, step by step.
+
+Started by ``TPExecutor`` as ``python -m engine.parallel.rank`` with its job pickled on stdin; it
+prints ``loaded`` on stdout once its shard is in memory. It exits when rank 0 says stop, when a
+collective fails (rank 0 died), or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+
+from engine.model_runner import ModelRunner
+from engine.parallel.executor import DTYPE_CODES, OP_EXPORT, OP_IMPORT, OP_NOOP, OP_STEP, OP_STOP, TIMEOUT_S, attach
+from engine.parallel.group import RankGroup
+from engine.parallel.shard import TPShard
+from engine.kv_blocks import wire_block_shape
+from engine.step_inputs import StepInputs
+
+log = logging.getLogger("tandem.engine.tp")
+
+
+def main() -> int:
+    job = pickle.load(sys.stdin.buffer)
+    config, rank, size = job["config"], job["rank"], job["size"]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+    _exit_with_parent(job["parent"])
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    runner = ModelRunner(config, TPShard.of(config.model_config, rank, size))
+    print("loaded", flush=True)
+    store = TCPStore("127.0.0.1", job["port"], size, False, timedelta(seconds=TIMEOUT_S))
+    group = RankGroup(rank, size, store, runner.device, TIMEOUT_S)
+    runner.model.reduce = group.all_reduce
+    try:
+        serve(runner, group, job["shm_prefix"])
+    except Exception as exc:  # rank 0 is gone (or a bug): nothing more to do here
+        log.error("leaving: %r", exc)
+        return 1
+    return 0
+
+
+def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
+    while True:
+        words = group.receive()
+        op, args = words[0], words[1:]
+        if op == OP_STEP:
+            runner.run(StepInputs.unpack(args))
+        elif op == OP_IMPORT:
+            _import(runner, group, shm_prefix, args)
+        elif op == OP_EXPORT:
+            _export(runner, group, shm_prefix, args)
+        elif op == OP_STOP:
+            return
+        elif op != OP_NOOP:
+            raise RuntimeError(f"unknown operation {op} from rank 0")
+
+
+def _blocks_view(runner: ModelRunner, buf: memoryview, dtype: torch.dtype, n: int) -> torch.Tensor:
+    shape = (n, *wire_block_shape(runner.config.model_config, runner.block_size))
+    count = n * int(torch.Size(shape[1:]).numel())
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
+def _import(runner: ModelRunner, group: RankGroup, prefix: str, args: list[int]) -> None:
+    number, dtype, n, ids = args[0], DTYPE_CODES[args[1]], args[2], args[3:]
+    shm = attach(prefix, number)
+    try:
+        runner.import_blocks(ids, _blocks_view(runner, shm.buf, dtype, n))
+    finally:
+        group.barrier()  # rank 0 frees the buffer after this
+        shm.close()
+
+
+def _export(runner: ModelRunner, group: RankGroup, prefix: str, args: list[int]) -> None:
+    number, n, ids = args[0], args[1], args[2:]
+    shm = attach(prefix, number)
+    try:
+        if runner.shard.owns_kv:  # replicas of a KV head: the first one writes it
+            s = runner.shard
+            view = _blocks_view(runner, shm.buf, runner.config.torch_dtype, n)
+            runner.export_blocks(ids, view[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
+            del view
+    finally:
+        group.barrier()
+        shm.close()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Rank 0 killed outright (SIGKILL) cannot stop its ranks: they notice it is gone and leave."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

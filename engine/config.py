@@ -209,8 +209,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.model_config is None:
             self.model_config = ModelConfig.from_path(self.model)
-        from engine.parallel.shard import check_degree  # here: it imports this module
-
         check_degree(self.model_config, self.tensor_parallel_size)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
@@ -267,3 +265,18 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def check_degree(config: ModelConfig, size: int) -> None:
+    """Raise ValueError, naming the flag, when ``size`` cannot split this model evenly."""
+    flag = "--tensor-parallel-size"
+    if size < 1:
+        raise ValueError(f"{flag} must be >= 1, got {size}")
+    if config.num_heads % size:
+        raise ValueError(f"{flag} {size} does not divide the model's {config.num_heads} attention heads")
+    if config.intermediate_size % size:
+        raise ValueError(f"{flag} {size} does not divide the model's MLP width {config.intermediate_size}")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"{flag} {size} must divide the model's {kv} KV heads or be a multiple of them "
+                         "(each KV head is then replicated on several ranks)")

@@ -379,9 +379,17 @@ class Cluster:
         args = [*self.config.engine_args, "--model", str(self.model)]
         if self._engine.num_threads is None:
             pinned = self.config.cpu_affinity.get(kind)
-            threads = len(pinned) if pinned else max(1, (os.cpu_count() or 1) // self.config.num_workers)
-            args += ["--num-threads", str(threads)]
+            threads = len(pinned) // self._ranks(kind) if pinned else (os.cpu_count() or 1) // self._all_ranks()
+            args += ["--num-threads", str(max(1, threads))]
         return args
+
+    def _ranks(self, kind: str) -> int:
+        """Processes one worker of ``kind`` runs: its tensor-parallel degree (``--{kind}-args`` may set it)."""
+        return parse_engine_args([*self.config.engine_args, *self._extra(kind)]).tensor_parallel_size
+
+    def _all_ranks(self) -> int:
+        kinds = [("prefill", self.config.num_prefill)] if self.config.disaggregated else []
+        return sum(n * self._ranks(kind) for kind, n in [*kinds, ("decode", self.config.num_decode)])
 
     def worker_specs(self, kvstore: str | None) -> list[ServiceSpec]:
         """Prefill workers (disaggregated only) and decode workers; ``kvstore`` is the store's gRPC address."""

@@ -189,7 +189,7 @@ class TPExecutor:
                 rank, p = waiting[fd]
                 if p.stdout.readline().strip() == b"loaded":
                     del waiting[fd]
-            for fd, (rank, p) in list(waiting.items()):
+            for rank, p in list(waiting.values()):
                 if p.poll() is not None:
                     raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.returncode} while "
                                        "loading its shard (its log is above)")

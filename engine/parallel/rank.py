@@ -18,11 +18,11 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 
+from engine.kv_blocks import wire_block_shape
 from engine.model_runner import ModelRunner
 from engine.parallel.executor import DTYPE_CODES, OP_EXPORT, OP_IMPORT, OP_NOOP, OP_STEP, OP_STOP, TIMEOUT_S, attach
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
-from engine.kv_blocks import wire_block_shape
 from engine.step_inputs import StepInputs
 
 log = logging.getLogger("tandem.engine.tp")

@@ -11,10 +11,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, check_degree
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +64,3 @@ class TPShard:
         else:
             return t  # norms, the embedding, lm_head: whole
         return part.contiguous().clone()
-
-
-def check_degree(config: ModelConfig, size: int) -> None:
-    """Raise ValueError, naming the flag, when ``size`` cannot split this model evenly."""
-    flag = "--tensor-parallel-size"
-    if size < 1:
-        raise ValueError(f"{flag} must be >= 1, got {size}")
-    if config.num_heads % size:
-        raise ValueError(f"{flag} {size} does not divide the model's {config.num_heads} attention heads")
-    if config.intermediate_size % size:
-        raise ValueError(f"{flag} {size} does not divide the model's MLP width {config.intermediate_size}")
-    kv = config.num_kv_heads
-    if kv % size and size % kv:
-        raise ValueError(f"{flag} {size} must divide the model's {kv} KV heads or be a multiple of them "
-                         "(each KV head is then replicated on several ranks)")

@@ -28,7 +28,8 @@ WORKER_ARGS = ["--num-threads", "1", "--kv-cache-gb", "0.25"]
 
 
 def start_cluster(model: Path, tmp: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
-                  gateway_args: list[str] | None = None) -> Cluster:
+                  gateway_args: list[str] | None = None, worker_args: dict[str, list[str]] | None = None) -> Cluster:
+    """``worker_args``: flags of the prefill or decode workers only (e.g. their tensor-parallel degree)."""
     config = ClusterConfig(
         mode=mode,
         num_prefill=num_prefill,
@@ -36,7 +37,7 @@ def start_cluster(model: Path, tmp: Path, mode: str = "disaggregated", num_prefi
         gateway_port=0,
         engine_args=["--model", str(model), *WORKER_ARGS],
         kv_capacity_gb=0.5,
-        extra_args={"gateway": gateway_args or []},
+        extra_args={"gateway": gateway_args or [], **(worker_args or {})},
         log_dir=tmp,
         startup_timeout=240,
     )

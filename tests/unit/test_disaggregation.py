@@ -246,10 +246,14 @@ def test_async_consumer_waits_for_loads_and_abort_while_loading_frees_blocks(tin
 def test_export_import_round_trip_preserves_the_wire_layout(tiny_llama):
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=8)
     cfg = engine.model_config
-    data = torch.randn(3, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    data = torch.randn(3, cfg.num_kv_heads, cfg.num_layers, 2, 16, cfg.head_dim)  # KV heads first (layout v2)
     engine.runner.import_blocks([5, 1, 6], data)
     assert torch.equal(engine.runner.export_blocks([5, 1, 6]), data)
     assert torch.equal(engine.runner.export_blocks([1]), data[1:2])
     # Slot s of block b holds token b*16+s: the cache layout agrees with the wire layout.
     layer0 = engine.runner.kv_caches[0]
-    assert torch.equal(layer0[0, :, 1 * 16 + 3], data[1, 0, 0, 3])
+    assert torch.equal(layer0[0, :, 1 * 16 + 3], data[1, :, 0, 0, 3])
+    # A rank's heads are one contiguous range of each block's bytes.
+    flat = data[1].reshape(-1)
+    per_head = flat.numel() // cfg.num_kv_heads
+    assert torch.equal(flat[per_head : 2 * per_head], data[1, 1].reshape(-1))

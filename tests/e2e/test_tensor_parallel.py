@@ -21,7 +21,16 @@ from engine import Engine, SamplingParams
 from engine.errors import EngineDeadError
 from protos import common_pb2 as cpb
 from tests.conftest import _save_tiny
-from tests.e2e.pipeline import Reply, call, gateway_stats, start_cluster, token_request, wait_clean, wait_until
+from tests.e2e.pipeline import (
+    Reply,
+    call,
+    gateway_stats,
+    start_cluster,
+    token_request,
+    wait_clean,
+    wait_until,
+    worker_stats,
+)
 
 MAX_TOKENS = 40
 LONG = 300  # tokens of the streams a rank dies under: long enough to be cut mid-stream
@@ -148,7 +157,10 @@ def test_prefill_and_decode_at_different_degrees_equal_aggregated_tp1(tiny4, tin
         replies = asyncio.run(serve_all(cluster.gateway.address, PROMPTS))
         assert [r.code for r in replies] == [grpc.StatusCode.OK] * len(PROMPTS), [r.details for r in replies]
         assert [r.tokens for r in replies] == tiny4_reference
-        assert all(r.messages[0].prefill_worker for r in replies)
+        assert all(r.last.prefill_worker and r.last.decode_worker for r in replies)
+        [decode] = cluster.decode
+        stats = worker_stats(decode.address)  # the prompts' KV came through the store, none recomputed
+        assert stats.kv_blocks_loaded >= sum(-(-len(p) // 16) for p in PROMPTS) and stats.kv_load_failures == 0
         assert wait_clean(cluster) == []
     finally:
         cluster.stop()
@@ -175,8 +187,7 @@ def test_a_rank_death_fails_its_worker_and_the_streams_migrate(tiny4, tmp_path):
             while not all(len(r.tokens) >= 3 for r in replies):
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.05)
-            victim = next(w for w in cluster.decode if any(r.messages[-1].decode_worker == w.address
-                                                           for r in replies if r.messages[-1].decode_worker))
+            victim = max(cluster.decode, key=lambda w: worker_stats(w.address).num_requests)
             rank1 = _rank_children(victim.pid)
             assert len(rank1) == 1, "a TP=2 worker runs one rank process beside itself"
             signal_pid(rank1[0], signal.SIGKILL)

@@ -37,6 +37,8 @@ BENCHES = {
              "and batched throughput on input-grounded and random prompts, acceptance", True),
     "quant": ("tandem.bench.quant", "quantized weights (GGUF-direct, int8) against bfloat16 and llama-cpp-python "
               "on the same GGUF: decode at 32/1024 context, prefill, batched throughput, perplexity", True),
+    "tp": ("tandem.bench.tp", "tensor parallelism: per-step communication time and share at TP=1 against TP=2, "
+           "and the bytes of a KV block each rank reads", True),
     "front": ("tandem.bench.front", "the OpenAI-compatible HTTP front against gRPC Generate on one `tandem up`, "
               "alternating: TTFT and ITL at one stream, throughput at 32", True),
 }

@@ -27,8 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from itertools import count
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
@@ -40,6 +38,7 @@ from engine.kv_blocks import wire_block_shape
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
+from engine.parallel.staging import Staging
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepInputs
 
@@ -60,8 +59,8 @@ class TPExecutor:
         self.dead: str | None = None  # why, once a rank has died
         self._on_dead: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
-        self._shm_ids = count()
         self._shm_prefix = f"tandem-tp-{os.getpid()}-{id(self):x}"
+        self._staging = Staging(self._shm_prefix)
         self._last_send = time.monotonic()
         self.store = TCPStore("127.0.0.1", 0, self.size, True, timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
         self.procs = [self._spawn(rank) for rank in range(1, self.size)]
@@ -127,29 +126,26 @@ class TPExecutor:
         expected = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {expected}")
-        with self._shared(data.numel() * data.element_size()) as (name, buf):
+        with self._collective("a KV import"):
+            name, buf = self._staging.get(data.numel() * data.element_size())
             shared = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(expected)
             shared.copy_(data)
-            with self._collective("a KV import"):
-                self.group.send([OP_IMPORT, name, _dtype_code(data.dtype), len(block_ids), *block_ids])
-                self.local.import_blocks(block_ids, shared)
-                self.group.barrier()
-            del shared  # the segment closes only when nothing points into it
+            self.group.send([OP_IMPORT, name, _dtype_code(data.dtype), len(block_ids), *block_ids])
+            self.local.import_blocks(block_ids, shared)
+            self.group.barrier()
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks in the wire layout, each rank having written its own heads into place."""
         shape = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.config.torch_dtype).element_size()
-        with self._shared(nbytes) as (name, buf):
+        with self._collective("a KV export"):
+            name, buf = self._staging.get(nbytes)
             shared = torch.frombuffer(buf, dtype=self.config.torch_dtype, count=nbytes // self._itemsize).view(shape)
-            with self._collective("a KV export"):
-                self.group.send([OP_EXPORT, name, len(block_ids), *block_ids])
-                s = self.shard
-                self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
-                self.group.barrier()
-            blocks = shared.clone()
-            del shared  # the segment closes only when nothing points into it
-        return blocks
+            self.group.send([OP_EXPORT, name, len(block_ids), *block_ids])
+            s = self.shard
+            self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
+            self.group.barrier()
+            return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
 
     @property
     def _itemsize(self) -> int:
@@ -167,6 +163,7 @@ class TPExecutor:
             except Exception:  # a rank is gone or stuck: killed below
                 pass
         self._kill()
+        self._staging.close()
 
     # --- internals
 
@@ -199,9 +196,6 @@ class TPExecutor:
 
     def _collective(self, what: str):
         return _Collective(self, what)
-
-    def _shared(self, nbytes: int) -> _SharedBuffer:
-        return _SharedBuffer(self._shm_prefix, next(self._shm_ids), nbytes)
 
     def _dead_rank(self) -> str | None:
         for rank, p in enumerate(self.procs, start=1):
@@ -278,28 +272,6 @@ class _Collective:
             return False
         finally:
             ex._lock.release()
-
-
-class _SharedBuffer:
-    """A shared-memory segment the ranks find by name (prefix and number) for one KV import or export."""
-
-    def __init__(self, prefix: str, number: int, nbytes: int) -> None:
-        self.number = number
-        self.shm = shared_memory.SharedMemory(name=f"{prefix}-{number}", create=True, size=max(1, nbytes))
-
-    def __enter__(self) -> tuple[int, memoryview]:
-        return self.number, self.shm.buf
-
-    def __exit__(self, *exc) -> None:
-        self.shm.close()
-        self.shm.unlink()
-
-
-def attach(prefix: str, number: int) -> shared_memory.SharedMemory:
-    """A rank's view of rank 0's buffer ``number`` (rank 0 unlinks it: this process must not)."""
-    shm = shared_memory.SharedMemory(name=f"{prefix}-{number}", create=False)
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (Python < 3.13 has no track=False)
-    return shm
 
 
 DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)

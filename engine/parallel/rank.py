@@ -20,9 +20,10 @@ from torch.distributed import TCPStore
 
 from engine.kv_blocks import wire_block_shape
 from engine.model_runner import ModelRunner
-from engine.parallel.executor import DTYPE_CODES, OP_EXPORT, OP_IMPORT, OP_NOOP, OP_STEP, OP_STOP, TIMEOUT_S, attach
+from engine.parallel.executor import DTYPE_CODES, OP_EXPORT, OP_IMPORT, OP_NOOP, OP_STEP, OP_STOP, TIMEOUT_S
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
+from engine.parallel.staging import Attached
 from engine.step_inputs import StepInputs
 
 log = logging.getLogger("tandem.engine.tp")
@@ -49,19 +50,23 @@ def main() -> int:
 
 
 def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
-    while True:
-        words = group.receive()
-        op, args = words[0], words[1:]
-        if op == OP_STEP:
-            runner.run(StepInputs.unpack(args))
-        elif op == OP_IMPORT:
-            _import(runner, group, shm_prefix, args)
-        elif op == OP_EXPORT:
-            _export(runner, group, shm_prefix, args)
-        elif op == OP_STOP:
-            return
-        elif op != OP_NOOP:
-            raise RuntimeError(f"unknown operation {op} from rank 0")
+    staging = Attached(shm_prefix)
+    try:
+        while True:
+            words = group.receive()
+            op, args = words[0], words[1:]
+            if op == OP_STEP:
+                runner.run(StepInputs.unpack(args))
+            elif op == OP_IMPORT:
+                _import(runner, group, staging, args)
+            elif op == OP_EXPORT:
+                _export(runner, group, staging, args)
+            elif op == OP_STOP:
+                return
+            elif op != OP_NOOP:
+                raise RuntimeError(f"unknown operation {op} from rank 0")
+    finally:
+        staging.close()
 
 
 def _blocks_view(runner: ModelRunner, buf: memoryview, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -70,28 +75,23 @@ def _blocks_view(runner: ModelRunner, buf: memoryview, dtype: torch.dtype, n: in
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
-def _import(runner: ModelRunner, group: RankGroup, prefix: str, args: list[int]) -> None:
+def _import(runner: ModelRunner, group: RankGroup, staging: Attached, args: list[int]) -> None:
     number, dtype, n, ids = args[0], DTYPE_CODES[args[1]], args[2], args[3:]
-    shm = attach(prefix, number)
     try:
-        runner.import_blocks(ids, _blocks_view(runner, shm.buf, dtype, n))
+        runner.import_blocks(ids, _blocks_view(runner, staging.get(number), dtype, n))
     finally:
-        group.barrier()  # rank 0 frees the buffer after this
-        shm.close()
+        group.barrier()  # rank 0 reuses the buffer after this
 
 
-def _export(runner: ModelRunner, group: RankGroup, prefix: str, args: list[int]) -> None:
+def _export(runner: ModelRunner, group: RankGroup, staging: Attached, args: list[int]) -> None:
     number, n, ids = args[0], args[1], args[2:]
-    shm = attach(prefix, number)
     try:
         if runner.shard.owns_kv:  # replicas of a KV head: the first one writes it
             s = runner.shard
-            view = _blocks_view(runner, shm.buf, runner.config.torch_dtype, n)
+            view = _blocks_view(runner, staging.get(number), runner.config.torch_dtype, n)
             runner.export_blocks(ids, view[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
-            del view
     finally:
         group.barrier()
-        shm.close()
 
 
 def _exit_with_parent(parent: int) -> None:

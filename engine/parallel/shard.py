@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from engine.config import ModelConfig, check_degree

@@ -259,7 +259,8 @@ def test_gpus_only_on_prefill_and_decode(rendered, name):
 
 
 def test_a_tensor_parallel_worker_asks_for_one_gpu_per_rank():
-    objects = render({"prefill": {"engine": {"tensorParallelSize": 1}}, "decode": {"engine": {"tensorParallelSize": 2}}})
+    objects = render({"prefill": {"engine": {"tensorParallelSize": 1}},
+                      "decode": {"engine": {"tensorParallelSize": 2}}})
     for comp, ranks in (("prefill", 1), ("decode", 2)):
         resources = main_container(workload(objects, comp))["resources"]
         assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == ranks

@@ -1,0 +1,152 @@
+"""`tandem bench tp`: what tensor parallelism costs in communication, per decode step, and what each
+rank moves of a KV block.
+
+On one CPU host this is a correctness-scale figure: the ranks share the same cores and memory, so
+TP=2 is not expected to be faster than TP=1 here; what it shows is the all-reduce and broadcast time
+per step (rank 0's view: time inside collectives, waiting for the slower rank included) and its share
+of the step, and that a rank reads only its heads' byte range of each block.
+
+Without ``--model`` it runs dummy weights of SmolLM2-135M's geometry with 8 heads and 4 KV heads (the
+real model's 9 heads and 3 KV heads split 3 ways, not 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT_LEN = 128
+DUMMY_CONFIG = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 72,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 2048,
+                "tie_word_embeddings": True}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--degrees", default="1,2", help="tensor-parallel degrees to compare (the first is the base)")
+    p.add_argument("--batches", default="1,16", help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
+    p.add_argument("--kv-blocks", type=int, default=256, help="blocks of the KV import timed")
+    p.add_argument("--output-dir", default="bench-results")
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.engine_args import engine_config
+
+    tmp = None
+    if args.model is None:
+        tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-tp-"))
+        (tmp / "config.json").write_text(json.dumps(DUMMY_CONFIG))
+        args.model, args.load_format = str(tmp), "dummy"
+    try:
+        results = {}
+        for tp in [int(x) for x in args.degrees.split(",")]:
+            args.tensor_parallel_size = tp
+            config = engine_config(args)
+            config.num_threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
+            config.num_kv_blocks = max(args.kv_blocks * 2, 64 * 16)
+            results[tp] = measure(config, [int(b) for b in args.batches.split(",")], args.steps, args.kv_blocks)
+            print(f"TP={tp}: {json.dumps(results[tp])}", file=sys.stderr)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(format_table(results))
+    write_json(args, results)
+    return 0
+
+
+def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
+    from engine import Engine, SamplingParams
+
+    engine = Engine(config)
+    try:
+        out = {"steps": {b: decode_steps(engine, b, steps, SamplingParams) for b in batches}}
+        out["kv"] = kv_import(engine, kv_blocks)
+        return out
+    finally:
+        engine.close()
+
+
+def decode_steps(engine, batch: int, steps: int, params_cls) -> dict:
+    """Mean decode-step time at ``batch`` and rank 0's time inside collectives during those steps."""
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = params_cls(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(vocab) for _ in range(PROMPT_LEN)], params) for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:  # prefill, until every request has its first token
+        started.update(o.request_id for o in engine.step())
+    group = getattr(engine.runner, "group", None)
+    comm0 = (group.comm_seconds, group.comm_calls, group.comm_bytes) if group else (0.0, 0, 0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = time.perf_counter() - start
+    comm = (group.comm_seconds - comm0[0], group.comm_calls - comm0[1], group.comm_bytes - comm0[2]) if group \
+        else (0.0, 0, 0)
+    for rid in ids:
+        engine.abort(rid)
+    step_ms = 1e3 * seconds / steps
+    comm_ms = 1e3 * comm[0] / steps
+    return {"step_ms": step_ms, "comm_ms": comm_ms, "comm_share": comm_ms / step_ms,
+            "collectives_per_step": comm[1] / steps, "comm_bytes_per_step": comm[2] / steps}
+
+
+def kv_import(engine, n: int) -> dict:
+    """An import of ``n`` whole blocks (what a decode worker's connector pulled): time, and the bytes each
+    rank reads of a block against the whole block."""
+    from engine.kv_blocks import wire_block_bytes, wire_block_shape
+
+    mc, bs = engine.model_config, engine.config.block_size
+    data = torch.randn((n, *wire_block_shape(mc, bs))).to(engine.config.torch_dtype)
+    ids = list(range(n))
+    engine.runner.import_blocks(ids, data)  # warm
+    start = time.perf_counter()
+    engine.runner.import_blocks(ids, data)
+    seconds = time.perf_counter() - start
+    itemsize = data.element_size()
+    shard = engine.runner.shard
+    whole = wire_block_bytes(mc, bs, itemsize)
+    return {"blocks": n, "import_ms": 1e3 * seconds, "block_bytes": whole,
+            "rank_bytes_per_block": whole * shard.num_kv_heads // mc.num_kv_heads,
+            "rank_share_of_block": shard.num_kv_heads / mc.num_kv_heads}
+
+
+def format_table(results: dict) -> str:
+    degrees = list(results)
+    base = results[degrees[0]]
+    lines = [f"| TP | batch | step ms | vs TP={degrees[0]} | comm ms/step | comm share | collectives/step | "
+             "bytes/step |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for tp in degrees:
+        for b, r in results[tp]["steps"].items():
+            lines.append(f"| {tp} | {b} | {r['step_ms']:.1f} | {r['step_ms'] / base['steps'][b]['step_ms']:.2f}x | "
+                         f"{r['comm_ms']:.2f} | {r['comm_share']:.0%} | {r['collectives_per_step']:.0f} | "
+                         f"{r['comm_bytes_per_step'] / 1024:.0f} KiB |")
+    lines += ["", "| TP | KV import of blocks | ms | block bytes | each rank reads | share |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for tp in degrees:
+        k = results[tp]["kv"]
+        lines.append(f"| {tp} | {k['blocks']} | {k['import_ms']:.1f} | {k['block_bytes']} | "
+                     f"{k['rank_bytes_per_block']} | {k['rank_share_of_block']:.0%} |")
+    return "\n".join(lines)
+
+
+def write_json(args: argparse.Namespace, results: dict) -> None:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"tp-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    doc = {"bench": "tp", "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "torch": torch.__version__, "settings": settings, "results": results}
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    print(f"wrote {path}", file=sys.stderr)

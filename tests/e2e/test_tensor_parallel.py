@@ -20,6 +20,8 @@ import torch
 from engine import Engine, SamplingParams
 from engine.errors import EngineDeadError
 from protos import common_pb2 as cpb
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
 from tests.conftest import _save_tiny
 from tests.e2e.pipeline import (
     Reply,
@@ -161,6 +163,9 @@ def test_prefill_and_decode_at_different_degrees_equal_aggregated_tp1(tiny4, tin
         [decode] = cluster.decode
         stats = worker_stats(decode.address)  # the prompts' KV came through the store, none recomputed
         assert stats.kv_blocks_loaded >= sum(-(-len(p) // 16) for p in PROMPTS) and stats.kv_load_failures == 0
+        again = asyncio.run(serve_all(cluster.gateway.address, PROMPTS))  # prefix caching at either degree
+        assert [r.tokens for r in again] == tiny4_reference
+        assert [r.last.usage.cached_tokens for r in again] == [len(p) // 16 * 16 for p in PROMPTS]
         assert wait_clean(cluster) == []
     finally:
         cluster.stop()
@@ -200,8 +205,37 @@ def test_a_rank_death_fails_its_worker_and_the_streams_migrate(tiny4, tmp_path):
         assert gateway_stats(cluster.gateway.address).migrations > migrations
         assert wait_until(lambda: not _rank_children(victim.pid), 10), "its surviving ranks are gone too"
         assert wait_clean(cluster) == []
+
+        # A drain at TP=2 hands the streams to the other worker, as at TP=1.
+        [victim] = cluster.restart(victim)
+        assert wait_until(lambda: all(w.healthy for w in gateway_stats(cluster.gateway.address).workers), 30)
+        handed_back, replies = asyncio.run(drain_under_streams(cluster))
+        assert handed_back > 0
+        assert [r.code for r in replies] == [grpc.StatusCode.OK] * len(PROMPTS), [r.details for r in replies]
+        assert [r.tokens for r in replies] == want
+        assert wait_clean(cluster) == []
     finally:
         cluster.stop()
+
+
+async def drain_under_streams(cluster) -> tuple[int, list[Reply]]:
+    replies = [Reply() for _ in PROMPTS]
+
+    async def one(i: int) -> Reply:
+        r = await call(cluster.gateway.address, request(PROMPTS[i], LONG), timeout=240,
+                       on_message=lambda m, _: replies[i].messages.append(m) and False)
+        r.messages = replies[i].messages
+        return r
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+    deadline = time.monotonic() + 120
+    while not all(len(r.tokens) >= 3 for r in replies):
+        assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+        await asyncio.sleep(0.05)
+    busiest = max(cluster.decode, key=lambda w: worker_stats(w.address).num_requests)
+    async with grpc.aio.insecure_channel(busiest.address) as ch:
+        drained = await wpb_grpc.WorkerStub(ch).Drain(wpb.DrainRequest(), timeout=30)
+    return drained.handed_back, list(await asyncio.gather(*tasks))
 
 
 def _rank_children(pid: int) -> list[int]:

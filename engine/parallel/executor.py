@@ -44,7 +44,7 @@ from engine.step_inputs import StepInputs
 
 log = logging.getLogger("tandem.engine.tp")
 
-OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP = range(5)
+OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP, OP_PING = range(6)
 TIMEOUT_S = 60.0  # a collective that takes longer means a rank is stuck: the engine is dead
 KEEPALIVE_S = 5.0  # an idle rank 0 sends a no-op this often, so idle ranks never time out
 LOAD_TIMEOUT_S = 600.0
@@ -146,6 +146,17 @@ class TPExecutor:
             self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
             self.group.barrier()
             return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
+
+    def ping(self, times: int, numel: int) -> float:
+        """Seconds per all-reduce of ``numel`` float32 values with no compute around it: the collective's
+        own latency, which a step's communication time also counts waiting for the slowest rank on top of."""
+        with self._collective("a ping"):
+            self.group.send([OP_PING, times, numel])
+            t = torch.zeros(numel, device=self.device)
+            start = time.perf_counter()
+            for _ in range(times):
+                self.group.all_reduce(t)
+            return (time.perf_counter() - start) / times
 
     @property
     def _itemsize(self) -> int:

@@ -20,7 +20,16 @@ from torch.distributed import TCPStore
 
 from engine.kv_blocks import wire_block_shape
 from engine.model_runner import ModelRunner
-from engine.parallel.executor import DTYPE_CODES, OP_EXPORT, OP_IMPORT, OP_NOOP, OP_STEP, OP_STOP, TIMEOUT_S
+from engine.parallel.executor import (
+    DTYPE_CODES,
+    OP_EXPORT,
+    OP_IMPORT,
+    OP_NOOP,
+    OP_PING,
+    OP_STEP,
+    OP_STOP,
+    TIMEOUT_S,
+)
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
 from engine.parallel.staging import Attached
@@ -61,6 +70,10 @@ def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
                 _import(runner, group, staging, args)
             elif op == OP_EXPORT:
                 _export(runner, group, staging, args)
+            elif op == OP_PING:
+                t = torch.zeros(args[1], device=runner.device)
+                for _ in range(args[0]):
+                    group.all_reduce(t)
             elif op == OP_STOP:
                 return
             elif op != OP_NOOP:

@@ -71,6 +71,9 @@ def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
     engine = Engine(config)
     try:
         out = {"steps": {b: decode_steps(engine, b, steps, SamplingParams) for b in batches}}
+        if hasattr(engine.runner, "ping"):  # the bare collective, at the step's all-reduce sizes
+            hidden = engine.model_config.hidden_size
+            out["allreduce_us"] = {b: 1e6 * engine.runner.ping(200, b * hidden) for b in batches}
         out["kv"] = kv_import(engine, kv_blocks)
         return out
     finally:
@@ -132,6 +135,10 @@ def format_table(results: dict) -> str:
             lines.append(f"| {tp} | {b} | {r['step_ms']:.1f} | {r['step_ms'] / base['steps'][b]['step_ms']:.2f}x | "
                          f"{r['comm_ms']:.2f} | {r['comm_share']:.0%} | {r['collectives_per_step']:.0f} | "
                          f"{r['comm_bytes_per_step'] / 1024:.0f} KiB |")
+    bare = [(tp, b, us) for tp in degrees for b, us in results[tp].get("allreduce_us", {}).items()]
+    if bare:
+        lines += ["", "| TP | all-reduce of | alone (no compute around it) |", "|---:|---:|---:|"]
+        lines += [f"| {tp} | {b} rows | {us:.0f} us |" for tp, b, us in bare]
     lines += ["", "| TP | KV import of blocks | ms | block bytes | each rank reads | share |",
               "|---:|---:|---:|---:|---:|---:|"]
     for tp in degrees:

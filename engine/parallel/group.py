@@ -32,15 +32,36 @@ class RankGroup:
             self.pg = ProcessGroupGloo(store, rank, size, timeout)
         self.rank, self.size, self.device = rank, size, device
         self._buffer = torch.zeros(MESSAGE_WORDS, dtype=torch.int64, device=device)
+        self._parts: dict[tuple, torch.Tensor] = {}
         self.comm_seconds = 0.0  # time spent in collectives, for `tandem bench tp`
         self.comm_calls = 0
         self.comm_bytes = 0
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum ``t`` in place over the ranks (the row-parallel layers' partial outputs)."""
+        """Sum ``t`` in place over the ranks (the row-parallel layers' partial outputs).
+
+        On CPU it is an all-gather and a local sum in rank order (so every rank gets the same bits):
+        gloo's ring all-reduce takes several round trips and measured 1.0-2.0 ms between two processes
+        here, its all-gather 0.5-0.7 ms. NCCL's all-reduce is the right call on CUDA.
+        """
         start = time.perf_counter()
-        self.pg.allreduce([t]).wait()
+        if self.device.type == "cuda":
+            self.pg.allreduce([t]).wait()
+        else:
+            parts = self._gathered(t)
+            self.pg.allgather([list(parts)], [t]).wait()
+            torch.sum(parts, dim=0, out=t)
         self._count(start, t.numel() * t.element_size())
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """A reused ``[size, *t.shape]`` buffer for the all-gather."""
+        key = (tuple(t.shape), t.dtype)
+        buf = self._parts.get(key)
+        if buf is None:
+            if len(self._parts) > 64:  # batch shapes vary: keep the cache small
+                self._parts.clear()
+            buf = self._parts[key] = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        return buf
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

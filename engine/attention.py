@@ -335,8 +335,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 class FlashAttnBackend(AttentionBackend):
     """CUDA only: flash-attn's paged KV kernel, cache ``[2, num_blocks, block_size, Hkv, D]``.
 
-    flash-attn's paged cache needs a block size that is a multiple of 256; with
-    smaller blocks ``select_backend`` picks the torch backend instead.
+    flash-attn 2's paged cache needs pages of a multiple of 256 tokens and fp16/bf16 (``backend_choice``
+    checks them when the engine is built); otherwise ``auto`` picks SDPA.
     """
 
     name = "flash_attn"
@@ -385,32 +385,66 @@ def flash_attn_available() -> bool:
     return True
 
 
+FLASH_ATTN_PAGE = 256  # flash-attn 2's paged KV cache needs pages of a multiple of this many tokens
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def backend_choice(
+    name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int, has_cpu_ops: bool,
+    has_flash_attn: bool,
+) -> str:
+    """Which backend ``name`` means on this device, dtype and block size; raises ValueError naming the flag
+    to change when an explicit choice cannot run (rather than building and failing every step).
+
+    ``auto``: on CPU the compiled kernel when there is one, else torch; on CUDA flash-attn's paged kernel
+    when it is installed and can run this cache (fp16/bf16, pages of a multiple of 256 tokens, head_dim
+    <= 256 and a multiple of 8), else SDPA.
+    """
+    flash_ok, why = _flash_attn_fits(device, dtype, block_size, head_dim, has_flash_attn)
+    if name == "auto":
+        if device == "cpu":
+            return "cpu" if has_cpu_ops else "torch"
+        return "flash_attn" if flash_ok else ("sdpa" if device == "cuda" else "torch")
+    if name == "flash_attn" and not flash_ok:
+        raise ValueError(f"--attention-backend flash_attn cannot run here: {why}; use --attention-backend auto")
+    if name == "cpu":
+        if device != "cpu":
+            raise ValueError("--attention-backend cpu needs --device cpu")
+        if not has_cpu_ops:
+            raise ValueError("--attention-backend cpu needs the CPU kernels, which are turned off "
+                             "(--no-cpu-kernels) or could not be built here")
+    if name not in ("flash_attn", "cpu", "torch", "sdpa"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch, sdpa or flash_attn")
+    return name
+
+
+def _flash_attn_fits(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                     has_flash_attn: bool) -> tuple[bool, str]:
+    if device != "cuda":
+        return False, "it needs --device cuda"
+    if not has_flash_attn:
+        return False, "the flash-attn package is not installed (the `flash` extra)"
+    if dtype not in FLASH_ATTN_DTYPES:
+        return False, f"it takes float16 or bfloat16, not {str(dtype).removeprefix('torch.')} (--dtype)"
+    if block_size % FLASH_ATTN_PAGE:
+        return False, f"its paged cache needs --block-size a multiple of {FLASH_ATTN_PAGE}, not {block_size}"
+    if head_dim > 256 or head_dim % 8:
+        return False, f"it needs a head_dim of at most 256 and a multiple of 8, and this model's is {head_dim}"
+    return True, ""
+
+
 def select_backend(
     name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    cpu_ops: ModuleType | None = None,
+    cpu_ops: ModuleType | None = None, dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """``auto``: on CUDA flash-attn's paged kernel when importable and the block size allows, else SDPA;
-    on CPU the compiled kernel when the engine has ``cpu_ops`` (``kernels.load_cpu_ops``), else the torch
-    backend."""
-    if name in ("auto", "cpu") and device.type == "cpu":
-        if cpu_ops is not None:
-            return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, cpu_ops)
-        if name == "cpu":
-            raise ValueError("attention_backend 'cpu' needs the CPU kernels, which are turned off "
-                             "(cpu_kernels=False) or could not be built here")
-    if name == "auto":
-        if device.type != "cuda":
-            name = "torch"
-        else:
-            name = "flash_attn" if flash_attn_available() and block_size % 256 == 0 else "sdpa"
-    if name == "flash_attn":
-        if device.type != "cuda" or not flash_attn_available():
-            raise ValueError("attention_backend 'flash_attn' needs CUDA and the flash-attn package")
+    """The backend ``backend_choice`` picks, built."""
+    kind = device.type if device.type in ("cpu", "cuda") else "other"
+    flash = kind == "cuda" and flash_attn_available()
+    choice = backend_choice(name, kind, dtype, block_size, head_dim, cpu_ops is not None, flash)
+    if choice == "cpu":
+        return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, cpu_ops)
+    if choice == "flash_attn":
         return FlashAttnBackend(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "sdpa":
+    if choice == "sdpa":
         return SdpaAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
-    if name == "cpu":
-        raise ValueError("attention_backend 'cpu' needs device cpu")
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch, sdpa or flash_attn")
+    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)

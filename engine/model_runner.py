@@ -41,7 +41,7 @@ class ModelRunner:
             self.model.reduce = group.all_reduce
         self.attn = select_backend(
             config.attention_backend, self.device, self.shard.num_heads, self.shard.num_kv_heads, mc.head_dim,
-            self.block_size, ops,
+            self.block_size, ops, config.torch_dtype,
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
         shape = self.attn.cache_shape(self.num_blocks)

@@ -3,10 +3,14 @@
 One UCX endpoint per (worker, store node), opened once and reused. A transfer is
 a 32-byte header ``[op, n, token]`` (int64 op and count, then the 16-byte token)
 and the ``n`` slot numbers; the store answers ACCEPTED or REFUSED (one int64),
-then ``n`` block messages follow, posted all at once (UCX pipelines them). The
-store sends from and receives into its pool rows directly, so the store side
-copies nothing; the worker side sends from and receives into whatever contiguous
-arrays it passes (a staging buffer, or a view of its cache).
+then one message per run of consecutive slots follows (``slot_runs``: both sides
+cut the same runs from the slot numbers alone), posted all at once (UCX pipelines
+them). A chunk of blocks in consecutive slots (the pool hands out sorted slots,
+and a fresh pool consecutive ones) is one message, not one per block. The store
+sends from and receives into its pool rows directly, so the store side copies
+nothing; the worker side sends from and receives into its arrays as they are when
+a run's arrays lie back to back in memory (rows of one staging buffer), and
+through one joined copy when they do not.
 
 Which slots a worker may write or read is decided on the control plane, and the
 data plane enforces it: ``Reserve`` returns a token for writes into the reserved
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -113,6 +118,31 @@ async def _windowed(n: int, transfer: Callable[[int, int], Awaitable[None]]) -> 
         await transfer(start, min(n, start + WINDOW))
 
 
+def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``(first index, count)`` of each run of consecutive slot numbers, in order: one message each."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """One array over ``arrays`` when they lie back to back in memory (rows of one buffer), else None."""
+    if len(arrays) == 1:
+        return arrays[0]
+    first = arrays[0].__array_interface__["data"][0]
+    at = first
+    for a in arrays:
+        if a.__array_interface__["data"][0] != at or not a.flags.c_contiguous:
+            return None
+        at += a.nbytes
+    base = np.ctypeslib.as_array((ctypes.c_uint8 * (at - first)).from_address(first))
+    return base  # a view: the caller's arrays keep the memory alive for the transfer
+
+
 def _status(value: int) -> np.ndarray:
     return np.full(1, value, dtype=np.int64)
 
@@ -157,7 +187,7 @@ class DataPlaneServer:
                 if grant is None:  # no valid token for these slots: the pool is not touched
                     await ep.send(_status(REFUSED))
                     return
-                rows = [self.buffer[s] for s in wanted]
+                rows = [self.buffer[wanted[i] : wanted[i] + k].reshape(-1) for i, k in slot_runs(wanted)]
                 try:
                     await ep.send(_status(ACCEPTED))
                     await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
@@ -179,11 +209,11 @@ class DataPlaneServer:
             await asyncio.gather(*receives)
 
         await _windowed(len(rows), window)
-        self.on_bytes(len(rows) * self.buffer.shape[1], 0)
+        self.on_bytes(sum(r.nbytes for r in rows), 0)
 
     async def _serve_read(self, ep, rows: list[np.ndarray]) -> None:
         await _windowed(len(rows), lambda a, b: asyncio.gather(*(ep.send(row) for row in rows[a:b])))
-        self.on_bytes(0, len(rows) * self.buffer.shape[1])
+        self.on_bytes(0, sum(r.nbytes for r in rows))
 
 
 def _header(op: int, token: bytes, n: int) -> np.ndarray:
@@ -277,14 +307,19 @@ class DataPlaneClient:
         await _on_ucx_loop(self._write(address, token, slots, blocks))
 
     async def _write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
+        messages = []
+        for i, k in slot_runs(slots):
+            run = blocks[i : i + k]
+            joined = _joined(run)
+            messages.append(joined if joined is not None else np.concatenate(run))
         async with self._transfer(address, OP_WRITE, token, slots) as ep:
             ack = np.zeros(1, dtype=np.int64)
 
             async def window(a: int, b: int) -> None:
                 await ep.recv(ack)  # the store has posted this window's receives
-                await asyncio.gather(*(ep.send(x) for x in blocks[a:b]))
+                await asyncio.gather(*(ep.send(x) for x in messages[a:b]))
 
-            await _windowed(len(blocks), window)
+            await _windowed(len(messages), window)
             await ep.recv(ack)
 
     async def read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
@@ -293,8 +328,20 @@ class DataPlaneClient:
         await _on_ucx_loop(self._read(address, token, slots, out))
 
     async def _read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
+        runs = slot_runs(slots)
+        targets = []  # where each run's message lands: the caller's rows when back to back, else a buffer
+        for i, k in runs:
+            joined = _joined(out[i : i + k])
+            targets.append(joined if joined is not None else np.empty(sum(o.nbytes for o in out[i : i + k]),
+                                                                     dtype=np.uint8))
         async with self._transfer(address, OP_READ, token, slots) as ep:
-            await _windowed(len(out), lambda a, b: asyncio.gather(*(ep.recv(x) for x in out[a:b])))
+            await _windowed(len(targets), lambda a, b: asyncio.gather(*(ep.recv(x) for x in targets[a:b])))
+        for (i, k), target in zip(runs, targets, strict=True):
+            if _joined(out[i : i + k]) is None:
+                at = 0
+                for o in out[i : i + k]:
+                    o[:] = target[at : at + o.nbytes]
+                    at += o.nbytes
 
     async def close(self) -> None:
         await _on_ucx_loop(self._close_all())

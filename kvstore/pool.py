@@ -153,7 +153,8 @@ class BlockPool:
                 )
             while len(self._free) < n:
                 evicted.keys += self._evict_one()
-            slots = [self._free.pop() for _ in range(n)]
+            # Sorted: consecutive slots travel as one data-plane message (kvstore.data_plane.slot_runs).
+            slots = sorted(self._free.pop() for _ in range(n))
             rid = next(self._ids)
             self._reservations[rid] = self._granted(Reservation(slots, self.clock() + ttl_s))
             return rid, slots, evicted

@@ -76,7 +76,9 @@ async def _kv_figures(address: str, block_bytes: int, repeats: int) -> dict:
             # per pull would time the kernel's page faults, not the transfer).
             dst = np.zeros((n, block_bytes), dtype=np.uint8)
             for r in range(repeats + 1):  # the first round warms the connection up and is not counted
-                blocks = [(rng.bytes(32), rng.integers(0, 256, block_bytes, dtype=np.uint8)) for _ in range(n)]
+                # Rows of one buffer, as the connector hands them over (an engine's export is one tensor).
+                rows = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+                blocks = [(rng.bytes(32), row) for row in rows]
                 t_push = await _atimed(client.push(blocks))
                 t0 = time.perf_counter()
                 got = await client.pull([k for k, _ in blocks], out=list(dst))

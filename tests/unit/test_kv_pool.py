@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.kv_blocks import PartialRef
@@ -181,3 +182,20 @@ def test_a_leased_partial_block_outlives_its_drop_until_the_lease_ends():
     pool.release(lease)
     pool.expire()
     assert pool.find([PartialRef("req", 0)]) == [None] and pool.snapshot()["free_blocks"] == 4
+
+
+def test_slot_runs_and_back_to_back_arrays():
+    from kvstore.data_plane import _joined, slot_runs
+
+    assert slot_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
+    assert slot_runs([7]) == [(0, 1)] and slot_runs([]) == []
+    buf = np.arange(40, dtype=np.uint8).reshape(4, 10)
+    joined = _joined(list(buf[1:4]))
+    assert joined is not None and np.array_equal(joined, buf[1:4].reshape(-1))
+    assert _joined([buf[0], buf[2]]) is None  # a gap between them
+
+
+def test_the_pool_hands_out_sorted_slots():
+    pool = BlockPool(64, 8)
+    _, first, _ = pool.reserve(4, 10)
+    assert first == [0, 1, 2, 3]

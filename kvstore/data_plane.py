@@ -49,6 +49,7 @@ HEADER_WORDS = 2 + TOKEN_BYTES // 8  # op, n, token
 ACCEPTED = 1
 REFUSED = -1
 MAX_BLOCKS_PER_TRANSFER = 1 << 16
+MAX_RUN_BYTES = 32 << 20  # the largest data-plane message
 # Requests in flight at once on one endpoint. ucxx keeps a pool of 50-100 ready-made Python futures
 # for completions; posting more at once empties it (a warning per request, futures made on the spot).
 WINDOW = 48
@@ -118,12 +119,14 @@ async def _windowed(n: int, transfer: Callable[[int, int], Awaitable[None]]) -> 
         await transfer(start, min(n, start + WINDOW))
 
 
-def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """``(first index, count)`` of each run of consecutive slot numbers, in order: one message each."""
+def slot_runs(slots: list[int], block_bytes: int) -> list[tuple[int, int]]:
+    """``(first index, count)`` of each run of consecutive slot numbers, in order, cut at ``MAX_RUN_BYTES``:
+    one message each (a few messages in flight keep the link busy while each one lands)."""
+    most = max(1, MAX_RUN_BYTES // max(1, block_bytes))
     runs: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+        if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - start == most:
             runs.append((start, i - start))
             start = i
     return runs
@@ -187,7 +190,8 @@ class DataPlaneServer:
                 if grant is None:  # no valid token for these slots: the pool is not touched
                     await ep.send(_status(REFUSED))
                     return
-                rows = [self.buffer[wanted[i] : wanted[i] + k].reshape(-1) for i, k in slot_runs(wanted)]
+                runs = slot_runs(wanted, self.buffer.shape[1])
+                rows = [self.buffer[wanted[i] : wanted[i] + k].reshape(-1) for i, k in runs]
                 try:
                     await ep.send(_status(ACCEPTED))
                     await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
@@ -308,7 +312,7 @@ class DataPlaneClient:
 
     async def _write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
         messages = []
-        for i, k in slot_runs(slots):
+        for i, k in slot_runs(slots, blocks[0].nbytes):
             run = blocks[i : i + k]
             joined = _joined(run)
             messages.append(joined if joined is not None else np.concatenate(run))
@@ -328,7 +332,7 @@ class DataPlaneClient:
         await _on_ucx_loop(self._read(address, token, slots, out))
 
     async def _read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
-        runs = slot_runs(slots)
+        runs = slot_runs(slots, out[0].nbytes)
         targets = []  # where each run's message lands: the caller's rows when back to back, else a buffer
         for i, k in runs:
             joined = _joined(out[i : i + k])

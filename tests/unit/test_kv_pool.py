@@ -185,10 +185,11 @@ def test_a_leased_partial_block_outlives_its_drop_until_the_lease_ends():
 
 
 def test_slot_runs_and_back_to_back_arrays():
-    from kvstore.data_plane import _joined, slot_runs
+    from kvstore.data_plane import MAX_RUN_BYTES, _joined, slot_runs
 
-    assert slot_runs([4, 5, 6, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
-    assert slot_runs([7]) == [(0, 1)] and slot_runs([]) == []
+    assert slot_runs([4, 5, 6, 9, 10, 2], 1024) == [(0, 3), (3, 2), (5, 1)]
+    assert slot_runs([7], 1024) == [(0, 1)] and slot_runs([], 1024) == []
+    assert slot_runs(list(range(5)), MAX_RUN_BYTES // 2) == [(0, 2), (2, 2), (4, 1)]  # cut at MAX_RUN_BYTES
     buf = np.arange(40, dtype=np.uint8).reshape(4, 10)
     joined = _joined(list(buf[1:4]))
     assert joined is not None and np.array_equal(joined, buf[1:4].reshape(-1))

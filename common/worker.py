@@ -132,6 +132,8 @@ class WorkerServicer(wpb_grpc.WorkerServicer):
             prefix_cache_hit_rate=stats.prefix_cache.hit_rate,
             num_preemptions=stats.num_preemptions,
             queued_prompt_tokens=load.queued_prompt_tokens,
+            kv_staging_blocks_in_use=self.core.staging.in_use if self.core.staging else 0,
+            kv_staging_fallbacks=self.core.staging.fallbacks if self.core.staging else 0,
         )
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext):

@@ -183,6 +183,9 @@ class EngineConfig:
     # from model.
     quantization: str = "auto"
     gguf_file: str | None = None
+    # Host memory (MiB) that KV exports and pulls borrow instead of allocating (engine.kv_staging); pinned on
+    # CUDA. A transfer larger than what is free allocates as before.
+    kv_staging_mb: int = 256
     # Ranks one worker splits the model over (engine.parallel): rank 0 runs the engine, the others follow.
     tensor_parallel_size: int = 1
     model_config: ModelConfig | None = field(default=None, repr=False)

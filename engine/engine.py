@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,7 +19,9 @@ import torch
 
 from engine.block_hash import HASH_BYTES, model_fingerprint
 from engine.config import EngineConfig
+from engine.kv_blocks import wire_block_shape
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_staging import StagingPool
 from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.loader import weights_id
 from engine.parallel.build import build_runner
@@ -68,9 +71,20 @@ class Engine:
         self._bitmask = GrammarBitmask(mc.vocab_size)
         self.spec = build_speculator(config, self.runner.num_blocks)
         self.connector = kv_connector
+        self.staging = None  # host rows that KV exports and pulls borrow (engine.kv_staging)
+        if kv_connector is not None:
+            self.staging = self._staging_pool()
+            kv_connector.use_staging(self.staging)
         self.stats = EngineStats(prefix_cache=self.kv.stats)
         self._loads: dict[str, KVLoad] = {}
         self._ids = itertools.count()
+
+    def _staging_pool(self) -> StagingPool:
+        cfg = self.config
+        shape = wire_block_shape(self.model_config, cfg.block_size)
+        itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        blocks = max(1, int(cfg.kv_staging_mb * 2**20) // (math.prod(shape) * itemsize))
+        return StagingPool(shape, cfg.torch_dtype, blocks, pin=cfg.device.startswith("cuda"))
 
     @classmethod
     def from_model(cls, model: str, kv_connector: KVConnector | None = None, **kwargs) -> Engine:
@@ -298,9 +312,12 @@ class Engine:
             return
         for result in self.connector.poll_loads():
             load = self._loads.pop(result.request_id, None)
-            if load is None or load.request.status is not RequestStatus.WAITING_FOR_KV:
-                continue  # aborted while loading
-            self._apply_load(load, result)
+            try:
+                if load is not None and load.request.status is RequestStatus.WAITING_FOR_KV:  # else aborted
+                    self._apply_load(load, result)
+            finally:
+                if result.release is not None:
+                    result.release()
 
     def _apply_load(self, load: KVLoad, result: LoadResult) -> None:
         r = load.request
@@ -446,8 +463,15 @@ class Engine:
         """Push blocks ``num_saved_blocks .. end`` of ``r``: a full one under its key (``update_hashes``
         computed it), the partial tail under its request."""
         refs = [block_ref(r, i) for i in range(r.num_saved_blocks, end)]
-        data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end])
-        self.connector.save_blocks(r, r.num_saved_blocks, refs, data)
+        staged = self.staging.take(len(refs)) if self.staging is not None else None  # None: a fresh tensor
+        out, release = (staged.tensor, staged.release) if staged is not None else (None, None)
+        try:
+            data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end], out)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        self.connector.save_blocks(r, r.num_saved_blocks, refs, data, release)
         self.stats.kv_blocks_saved += end - r.num_saved_blocks
         r.num_saved_blocks = end
 

@@ -23,12 +23,14 @@ handing the request on, and closes the connector when the process stops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from engine.kv_blocks import BlockRef, PartialRef
+from engine.kv_staging import StagingPool
 from engine.request import Request
 
 
@@ -45,14 +47,20 @@ class LoadResult:
     request_id: str
     data: torch.Tensor | None  # [num_blocks, *wire_block_shape], None on error
     error: str | None = None
+    release: Callable[[], None] | None = None  # gives ``data``'s staging rows back, once it is in the cache
 
 
 class KVConnector:
     """The engine's side of the seam, called from the engine thread between steps."""
 
-    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
-        """``refs[i]`` names block ``first_block + i``, whose bytes are ``data[i]``."""
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
+                    release: Callable[[], None] | None = None) -> None:
+        """``refs[i]`` names block ``first_block + i``, whose bytes are ``data[i]``; ``release`` (when given)
+        must be called once the connector no longer reads ``data`` (its staging rows are lent)."""
         raise NotImplementedError
+
+    def use_staging(self, pool: StagingPool) -> None:
+        """The engine's staging pool, for pulls to land in (a connector may ignore it)."""
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
         raise NotImplementedError
@@ -107,12 +115,15 @@ class LocalKVTransfer(KVConnector):
         self.partial: dict[PartialRef, torch.Tensor] = {}
         self._done: list[LoadResult] = []
 
-    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
+                    release: Callable[[], None] | None = None) -> None:
         for i, ref in enumerate(refs):
             if isinstance(ref, bytes):
                 self.full[ref] = data[i].clone()
             else:
                 self.partial[ref] = data[i].clone()
+        if release is not None:
+            release()
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
         blocks = []

@@ -57,15 +57,18 @@ class ModelRunner:
             // self.config.model_config.num_kv_heads
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's heads of blocks, in the wire layout ``[n, *wire_block_shape(heads)]`` on the CPU
-        (into ``out`` when given: e.g. this rank's head range of a buffer of whole blocks)."""
+        """This rank's heads of blocks, in the wire layout ``[n, *wire_block_shape(heads)]`` on the CPU,
+        written into ``out`` when given (lent staging rows, or this rank's head range of whole blocks):
+        one copy per layer, no intermediate stack."""
+        mc = self.config.model_config
+        shape = (len(block_ids), *wire_block_shape(mc, self.block_size, self.shard.num_kv_heads))
+        if out is None:
+            out = torch.empty(shape, dtype=self.config.torch_dtype)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = torch.stack([self.attn.read_blocks(cache, ids) for cache in self.kv_caches], dim=1)
-        data = data.permute(0, 4, 1, 2, 3, 5)  # [n, L, 2, bs, Hkv, D] -> [n, Hkv, L, 2, bs, D]
-        if out is not None:
-            out.copy_(data)
-            return out
-        return data.to("cpu").contiguous()
+        for layer, cache in enumerate(self.kv_caches):
+            # [n, 2, bs, Hkv, D] -> [n, Hkv, 2, bs, D], this layer's column of the wire layout
+            out[:, :, layer].copy_(self.attn.read_blocks(cache, ids).permute(0, 3, 1, 2, 4))
+        return out
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``):

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,6 +27,7 @@ from common import telemetry
 from common.metrics import transfer_metrics
 from engine.config import EngineConfig
 from engine.kv_blocks import BlockRef, PartialRef, wire_block_shape
+from engine.kv_staging import Staged, StagingPool
 from engine.kv_transfer import KVConnector, LoadResult, block_ref
 from engine.request import Request
 from kvstore.client import KVStoreClient
@@ -50,6 +52,8 @@ class KVStoreConnector(KVConnector):
         self._lock = threading.Lock()
         self._done: list[LoadResult] = []
         self._saves: dict[Future, tuple[str, int]] = {}  # push -> (request id, blocks)
+        self._releases: dict[Future, Callable[[], None]] = {}  # push -> gives its staging rows back
+        self.staging: StagingPool | None = None
         self._failed_blocks: dict[str, int] = {}  # per request not yet collected by ``wait_saved``
         self._pulls = 0
         self._traces: dict[str, Any] = {}  # request id -> the trace context of its transfers
@@ -75,11 +79,17 @@ class KVStoreConnector(KVConnector):
         with self._lock:
             return self._traces.get(request_id)
 
-    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor) -> None:
+    def use_staging(self, pool: StagingPool) -> None:
+        self.staging = pool
+
+    def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
+                    release: Callable[[], None] | None = None) -> None:
         blocks = [(ref, _as_bytes(data[i])) for i, ref in enumerate(refs)]
         fut = self._call(self._push(blocks, first_block, self._trace_of(request.request_id)))
         with self._lock:
             self._saves[fut] = (request.request_id, len(blocks))
+            if release is not None:
+                self._releases[fut] = release
         fut.add_done_callback(self._saved)
 
     async def _push(self, blocks: list[tuple[BlockRef, np.ndarray]], first_block: int, ctx: Any) -> int:
@@ -96,10 +106,13 @@ class KVStoreConnector(KVConnector):
 
     def _saved(self, fut: Future) -> None:
         with self._lock:
+            release = self._releases.pop(fut, None)
             request_id, n = self._saves.pop(fut)
             if fut.exception() is not None:  # the decode side will miss these blocks and recompute
                 self.failed_saves += 1
                 self._failed_blocks[request_id] = self._failed_blocks.get(request_id, 0) + n
+        if release is not None:  # the bytes have left (or never will): the rows are free again
+            release()
         if fut.exception() is not None:
             log.warning("KV push failed: %s", fut.exception())
 
@@ -192,7 +205,24 @@ class KVStoreConnector(KVConnector):
 
     async def _pull(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
                     span: Any) -> LoadResult:
-        staging = torch.empty((n, *self.block_shape), dtype=self.dtype)  # the blocks land here, once
+        staged = self.staging.take(n) if self.staging is not None else None  # None: a fresh buffer
+        try:
+            result = await self._pull_into(request_id, keys, partials, n, span, staged)
+        except BaseException:
+            if staged is not None:
+                staged.release()
+            raise
+        if staged is not None:
+            if result.data is None:
+                staged.release()
+            else:
+                result.release = staged.release  # the engine gives the rows back once they are in its cache
+        return result
+
+    async def _pull_into(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
+                         span: Any, staged: Staged | None) -> LoadResult:
+        # The blocks land here, once: lent rows of the engine's staging pool, or a fresh buffer.
+        staging = staged.tensor if staged is not None else torch.empty((n, *self.block_shape), dtype=self.dtype)
         rows = list(staging.view(n, -1).view(torch.uint8).numpy())
         start = time.perf_counter()
         pulled = await self.client.pull(keys, partials, metadata=telemetry.outgoing(telemetry.context_of(span)),

@@ -118,7 +118,7 @@ class WorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_loading", "num_requests", "active_rpcs", "used_kv_blocks", "total_kv_blocks", "pending_kv_pushes", "pending_kv_pulls", "requests_total", "prompt_tokens_computed", "generation_tokens", "kv_blocks_saved", "kv_blocks_loaded", "kv_load_failures", "prefix_cache_hit_rate", "num_preemptions", "queued_prompt_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_loading", "num_requests", "active_rpcs", "used_kv_blocks", "total_kv_blocks", "pending_kv_pushes", "pending_kv_pulls", "requests_total", "prompt_tokens_computed", "generation_tokens", "kv_blocks_saved", "kv_blocks_loaded", "kv_load_failures", "prefix_cache_hit_rate", "num_preemptions", "queued_prompt_tokens", "kv_staging_blocks_in_use", "kv_staging_fallbacks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADING_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class WorkerStatsResponse(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_STAGING_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    KV_STAGING_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_loading: int
@@ -155,4 +157,6 @@ class WorkerStatsResponse(_message.Message):
     prefix_cache_hit_rate: float
     num_preemptions: int
     queued_prompt_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_requests: _Optional[int] = ..., active_rpcs: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., pending_kv_pushes: _Optional[int] = ..., pending_kv_pulls: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., kv_blocks_saved: _Optional[int] = ..., kv_blocks_loaded: _Optional[int] = ..., kv_load_failures: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kv_staging_blocks_in_use: int
+    kv_staging_fallbacks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_requests: _Optional[int] = ..., active_rpcs: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., pending_kv_pushes: _Optional[int] = ..., pending_kv_pulls: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., kv_blocks_saved: _Optional[int] = ..., kv_blocks_loaded: _Optional[int] = ..., kv_load_failures: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_staging_blocks_in_use: _Optional[int] = ..., kv_staging_fallbacks: _Optional[int] = ...) -> None: ...

@@ -134,8 +134,9 @@ class TPExecutor:
             self.local.import_blocks(block_ids, shared)
             self.group.barrier()
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks in the wire layout, each rank having written its own heads into place."""
+    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole blocks in the wire layout (into ``out`` when given), each rank having written its own
+        heads into place."""
         shape = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.config.torch_dtype).element_size()
         with self._collective("a KV export"):
@@ -145,7 +146,9 @@ class TPExecutor:
             s = self.shard
             self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
             self.group.barrier()
-            return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
+            if out is None:
+                return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
+            return out.copy_(shared)
 
     def ping(self, times: int, numel: int) -> float:
         """Seconds per all-reduce of ``numel`` float32 values with no compute around it: the collective's

@@ -132,7 +132,8 @@ def leftovers(cluster: Cluster) -> list[str]:
         if not w.alive:
             continue
         s = worker_stats(w.address)
-        for name in ("num_requests", "active_rpcs", "used_kv_blocks", "pending_kv_pushes", "pending_kv_pulls"):
+        for name in ("num_requests", "active_rpcs", "used_kv_blocks", "pending_kv_pushes", "pending_kv_pulls",
+                     "kv_staging_blocks_in_use"):
             if getattr(s, name):
                 found.append(f"{w.name}: {name}={getattr(s, name)}")
     if cluster.kvstore is not None:

@@ -210,6 +210,9 @@ def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
             time.sleep(0.05)
         assert stats.active_leases == 0 and stats.reserved_blocks == 0
         assert stats.stored_blocks == full_blocks
+        # Exports and pulls borrowed the engines' staging rows and gave every one back.
+        assert producer.staging.high_water > 0 and consumer.staging.high_water > 0
+        assert producer.staging.in_use == consumer.staging.in_use == 0
     finally:
         producer.connector.close()
         consumer.connector.close()

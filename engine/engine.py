@@ -84,6 +84,10 @@ class Engine:
         shape = wire_block_shape(self.model_config, cfg.block_size)
         itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
         blocks = max(1, int(cfg.kv_staging_mb * 2**20) // (math.prod(shape) * itemsize))
+        if cfg.tensor_parallel_size > 1:  # in shared memory: every rank reads and writes its heads in place
+            pool = StagingPool(shape, cfg.torch_dtype, blocks, shm_name=self.runner.pool_name)
+            self.runner.use_staging(pool)
+            return pool
         return StagingPool(shape, cfg.torch_dtype, blocks, pin=cfg.device.startswith("cuda"))
 
     @classmethod
@@ -120,6 +124,8 @@ class Engine:
         """Stop the tensor-parallel ranks, if any; the engine is unusable after."""
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
+        if self.staging is not None:
+            self.staging.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

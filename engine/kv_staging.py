@@ -13,8 +13,11 @@ never correctness. Thread-safe: the engine thread and the connector's thread sha
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 from bisect import insort
+from multiprocessing import shared_memory
 
 import torch
 
@@ -37,12 +40,24 @@ class Staged:
 
 
 class StagingPool:
+    """``shm_name``: back the rows with a named shared-memory segment, so that other processes (the
+    tensor-parallel ranks of ``engine.parallel``) read and write blocks in place; ``close`` unlinks it."""
+
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, capacity_blocks: int,
-                 pin: bool = False) -> None:
+                 pin: bool = False, shm_name: str | None = None) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"a staging pool holds at least one block, got {capacity_blocks}")
         self.capacity = capacity_blocks
-        self.buffer = torch.zeros((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)  # faulted in once
+        self.shm: shared_memory.SharedMemory | None = None
+        shape = (capacity_blocks, *block_shape)
+        if shm_name is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, pin_memory=pin)  # faulted in once
+        else:
+            count = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.shm = shared_memory.SharedMemory(name=shm_name, create=True, size=count * itemsize)
+            self.buffer = torch.frombuffer(self.shm.buf, dtype=dtype, count=count).view(shape)
+            self.buffer.zero_()
         self._free: list[tuple[int, int]] = [(0, capacity_blocks)]  # (start, length), sorted, coalesced
         self._lock = threading.Lock()
         self.in_use = 0
@@ -78,6 +93,23 @@ class StagingPool:
             else:
                 merged.append((start, length))
         self._free = merged
+
+    def row_of(self, t: torch.Tensor) -> int | None:
+        """The first row of the pool that ``t`` starts at, when ``t`` is whole contiguous rows of it."""
+        base, row = self.buffer.data_ptr(), self.buffer[0].nbytes
+        offset = t.data_ptr() - base
+        if not t.is_contiguous() or offset < 0 or offset % row or offset + t.nbytes > self.buffer.nbytes:
+            return None
+        return offset // row
+
+    def close(self) -> None:
+        """Unlink a shared segment: its name goes now, its memory when the last view of it does."""
+        if self.shm is not None:
+            self.shm.unlink()
+            with contextlib.suppress(BufferError):  # a push still reads lent rows: unmapped at exit
+                del self.buffer
+                self.shm.close()
+            self.shm = None
 
     @property
     def free_runs(self) -> list[tuple[int, int]]:

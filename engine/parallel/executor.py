@@ -18,6 +18,7 @@ moves its streams elsewhere).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import select
@@ -28,13 +29,13 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import numpy as np
 import torch
 from torch.distributed import TCPStore
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.kv_blocks import wire_block_shape
+from engine.kv_staging import StagingPool
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
@@ -45,6 +46,7 @@ from engine.step_inputs import StepInputs
 log = logging.getLogger("tandem.engine.tp")
 
 OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP, OP_PING = range(6)
+IN_STAGING, IN_POOL = 0, 1  # where an import's or export's blocks are: the executor's buffer, or the engine's pool
 TIMEOUT_S = 60.0  # a collective that takes longer means a rank is stuck: the engine is dead
 KEEPALIVE_S = 5.0  # an idle rank 0 sends a no-op this often, so idle ranks never time out
 LOAD_TIMEOUT_S = 600.0
@@ -61,6 +63,8 @@ class TPExecutor:
         self._lock = threading.Lock()
         self._shm_prefix = f"tandem-tp-{os.getpid()}-{id(self):x}"
         self._staging = Staging(self._shm_prefix)
+        self.pool: StagingPool | None = None
+        self.in_place_transfers = 0  # imports and exports that went through the pool with no copy on rank 0
         self._last_send = time.monotonic()
         self.store = TCPStore("127.0.0.1", 0, self.size, True, timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
         self.procs = [self._spawn(rank) for rank in range(1, self.size)]
@@ -121,30 +125,55 @@ class TPExecutor:
             self.group.send([OP_STEP, *inputs.pack()])
             return self.local.run(inputs)
 
+    @property
+    def pool_name(self) -> str:
+        """The shared-memory name the engine gives its staging pool, which the ranks attach to."""
+        return f"{self._shm_prefix}-pool"
+
+    def use_staging(self, pool: StagingPool) -> None:
+        """The engine's staging pool (in shared memory): blocks a pull lands in, or an export fills, are
+        read and written there by every rank in place, with no copy on rank 0."""
+        self.pool = pool
+
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Whole blocks in the wire layout: each rank copies its heads out of one shared buffer."""
+        """Whole blocks in the wire layout: each rank copies its heads out of shared memory, where the
+        connector pulled them (the staging pool), or else out of a shared buffer rank 0 fills first."""
         expected = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {expected}")
         with self._collective("a KV import"):
-            name, buf = self._staging.get(data.numel() * data.element_size())
-            shared = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(expected)
-            shared.copy_(data)
-            self.group.send([OP_IMPORT, name, _dtype_code(data.dtype), len(block_ids), *block_ids])
-            self.local.import_blocks(block_ids, shared)
+            row = self.pool.row_of(data) if self.pool is not None and data.dtype == self.pool.buffer.dtype else None
+            if row is not None:
+                self.in_place_transfers += 1
+                self.group.send([OP_IMPORT, IN_POOL, row, _dtype_code(data.dtype), len(block_ids), *block_ids])
+                self.local.import_blocks(block_ids, data)
+            else:
+                name, buf = self._staging.get(data.numel() * data.element_size())
+                shared = torch.frombuffer(buf, dtype=data.dtype, count=data.numel()).view(expected)
+                shared.copy_(data)
+                self.group.send([OP_IMPORT, IN_STAGING, name, _dtype_code(data.dtype), len(block_ids), *block_ids])
+                self.local.import_blocks(block_ids, shared)
             self.group.barrier()
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Whole blocks in the wire layout (into ``out`` when given), each rank having written its own
-        heads into place."""
+        """Whole blocks in the wire layout, each rank having written its own heads into place: into
+        ``out`` itself when it is rows of the staging pool, else through a shared buffer."""
         shape = (len(block_ids), *wire_block_shape(self.config.model_config, self.block_size))
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.config.torch_dtype).element_size()
+        s = self.shard
+        heads = slice(s.first_kv_head, s.first_kv_head + s.num_kv_heads)
         with self._collective("a KV export"):
+            row = self.pool.row_of(out) if self.pool is not None and out is not None else None
+            if row is not None:
+                self.in_place_transfers += 1
+                self.group.send([OP_EXPORT, IN_POOL, row, len(block_ids), *block_ids])
+                self.local.export_blocks(block_ids, out[:, heads])
+                self.group.barrier()
+                return out
+            nbytes = math.prod(shape) * self._itemsize
             name, buf = self._staging.get(nbytes)
             shared = torch.frombuffer(buf, dtype=self.config.torch_dtype, count=nbytes // self._itemsize).view(shape)
-            self.group.send([OP_EXPORT, name, len(block_ids), *block_ids])
-            s = self.shard
-            self.local.export_blocks(block_ids, shared[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
+            self.group.send([OP_EXPORT, IN_STAGING, name, len(block_ids), *block_ids])
+            self.local.export_blocks(block_ids, shared[:, heads])
             self.group.barrier()
             if out is None:
                 return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
@@ -183,7 +212,7 @@ class TPExecutor:
 
     def _spawn(self, rank: int) -> subprocess.Popen:
         job = pickle.dumps({"config": self.config, "rank": rank, "size": self.size, "port": self.store.port,
-                            "shm_prefix": self._shm_prefix, "parent": os.getpid()})
+                            "shm_prefix": self._shm_prefix, "pool_name": self.pool_name, "parent": os.getpid()})
         proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
         proc.stdin.write(job)

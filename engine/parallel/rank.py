@@ -8,12 +8,14 @@ collective fails (rank 0 died), or when its parent process is gone.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import sys
 import threading
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 from torch.distributed import TCPStore
@@ -22,6 +24,7 @@ from engine.kv_blocks import wire_block_shape
 from engine.model_runner import ModelRunner
 from engine.parallel.executor import (
     DTYPE_CODES,
+    IN_POOL,
     OP_EXPORT,
     OP_IMPORT,
     OP_NOOP,
@@ -51,15 +54,15 @@ def main() -> int:
     group = RankGroup(rank, size, store, runner.device, TIMEOUT_S)
     runner.model.reduce = group.all_reduce
     try:
-        serve(runner, group, job["shm_prefix"])
+        serve(runner, group, job["shm_prefix"], job["pool_name"])
     except Exception as exc:  # rank 0 is gone (or a bug): nothing more to do here
         log.error("leaving: %r", exc)
         return 1
     return 0
 
 
-def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
-    staging = Attached(shm_prefix)
+def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str, pool_name: str) -> None:
+    buffers = _Buffers(Attached(shm_prefix), Attached(pool_name, numbered=False))
     try:
         while True:
             words = group.receive()
@@ -67,9 +70,9 @@ def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
             if op == OP_STEP:
                 runner.run(StepInputs.unpack(args))
             elif op == OP_IMPORT:
-                _import(runner, group, staging, args)
+                _import(runner, group, buffers, args)
             elif op == OP_EXPORT:
-                _export(runner, group, staging, args)
+                _export(runner, group, buffers, args)
             elif op == OP_PING:
                 t = torch.zeros(args[1], device=runner.device)
                 for _ in range(args[0]):
@@ -79,29 +82,40 @@ def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str) -> None:
             elif op != OP_NOOP:
                 raise RuntimeError(f"unknown operation {op} from rank 0")
     finally:
-        staging.close()
+        buffers.staging.close()
+        buffers.pool.close()
 
 
-def _blocks_view(runner: ModelRunner, buf: memoryview, dtype: torch.dtype, n: int) -> torch.Tensor:
-    shape = (n, *wire_block_shape(runner.config.model_config, runner.block_size))
-    count = n * int(torch.Size(shape[1:]).numel())
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+class _Buffers(NamedTuple):
+    staging: Attached  # rank 0's own buffer, by number
+    pool: Attached  # the engine's staging pool: blocks the connector pulls or pushes, in place
 
 
-def _import(runner: ModelRunner, group: RankGroup, staging: Attached, args: list[int]) -> None:
-    number, dtype, n, ids = args[0], DTYPE_CODES[args[1]], args[2], args[3:]
+def _blocks(runner: ModelRunner, buffers: _Buffers, where: int, at: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``n`` whole blocks: at buffer number ``at`` of rank 0's staging, or from row ``at`` of the pool."""
+    block = (*wire_block_shape(runner.config.model_config, runner.block_size),)
+    count = math.prod(block)
+    if where == IN_POOL:
+        buf = buffers.pool.get(0)
+        rows = len(buf) // (count * torch.empty((), dtype=dtype).element_size())
+        return torch.frombuffer(buf, dtype=dtype, count=rows * count).view(rows, *block)[at : at + n]
+    return torch.frombuffer(buffers.staging.get(at), dtype=dtype, count=n * count).view(n, *block)
+
+
+def _import(runner: ModelRunner, group: RankGroup, buffers: _Buffers, args: list[int]) -> None:
+    where, at, dtype, n, ids = args[0], args[1], DTYPE_CODES[args[2]], args[3], args[4:]
     try:
-        runner.import_blocks(ids, _blocks_view(runner, staging.get(number), dtype, n))
+        runner.import_blocks(ids, _blocks(runner, buffers, where, at, dtype, n))
     finally:
         group.barrier()  # rank 0 reuses the buffer after this
 
 
-def _export(runner: ModelRunner, group: RankGroup, staging: Attached, args: list[int]) -> None:
-    number, n, ids = args[0], args[1], args[2:]
+def _export(runner: ModelRunner, group: RankGroup, buffers: _Buffers, args: list[int]) -> None:
+    where, at, n, ids = args[0], args[1], args[2], args[3:]
     try:
         if runner.shard.owns_kv:  # replicas of a KV head: the first one writes it
             s = runner.shard
-            view = _blocks_view(runner, staging.get(number), runner.config.torch_dtype, n)
+            view = _blocks(runner, buffers, where, at, runner.config.torch_dtype, n)
             runner.export_blocks(ids, view[:, s.first_kv_head : s.first_kv_head + s.num_kv_heads])
     finally:
         group.barrier()

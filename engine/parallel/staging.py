@@ -36,17 +36,19 @@ class Staging:
 
 
 class Attached:
-    """Another rank's view of rank 0's current buffer."""
+    """Another rank's view of rank 0's current buffer (``numbered``), or of one fixed segment (the engine's
+    staging pool, named ``prefix``)."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
+    def __init__(self, prefix: str, numbered: bool = True) -> None:
+        self.prefix, self.numbered = prefix, numbered
         self.number = -1
         self.shm: shared_memory.SharedMemory | None = None
 
     def get(self, number: int) -> memoryview:
-        if number != self.number:
+        if number != self.number or self.shm is None:
             self.close()
-            self.shm = shared_memory.SharedMemory(name=f"{self.prefix}-{number}", create=False)
+            name = f"{self.prefix}-{number}" if self.numbered else self.prefix
+            self.shm = shared_memory.SharedMemory(name=name, create=False)
             # Rank 0 unlinks it; this process must not (Python < 3.13 has no track=False).
             resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
             self.number = number

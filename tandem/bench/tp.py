@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             config = engine_config(args)
             config.num_threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
             config.num_kv_blocks = max(args.kv_blocks * 2, 64 * 16)
+            config.kv_staging_mb = max(config.kv_staging_mb, _blocks_mb(config, args.kv_blocks) + 1)
             results[tp] = measure(config, [int(b) for b in args.batches.split(",")], args.steps, args.kv_blocks)
             print(f"TP={tp}: {json.dumps(results[tp])}", file=sys.stderr)
     finally:
@@ -65,10 +66,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _blocks_mb(config, n: int) -> int:
+    from engine.kv_blocks import wire_block_bytes
+
+    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+    return -(-n * wire_block_bytes(config.model_config, config.block_size, itemsize) // 2**20)
+
+
 def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
     from engine import Engine, SamplingParams
+    from engine.kv_transfer import LocalKVTransfer
 
-    engine = Engine(config)
+    engine = Engine(config, LocalKVTransfer())  # a connector: the engine keeps a staging pool, as workers do
     try:
         out = {"steps": {b: decode_steps(engine, b, steps, SamplingParams) for b in batches}}
         if hasattr(engine.runner, "ping"):  # the bare collective, at the step's all-reduce sizes
@@ -111,12 +120,17 @@ def kv_import(engine, n: int) -> dict:
     from engine.kv_blocks import wire_block_bytes, wire_block_shape
 
     mc, bs = engine.model_config, engine.config.block_size
-    data = torch.randn((n, *wire_block_shape(mc, bs))).to(engine.config.torch_dtype)
+    staged = engine.staging.take(n)  # where a connector's pull lands: the ranks read it in place
+    data = staged.tensor if staged is not None else torch.empty((n, *wire_block_shape(mc, bs)),
+                                                                dtype=engine.config.torch_dtype)
+    data.copy_(torch.randn(data.shape))
     ids = list(range(n))
     engine.runner.import_blocks(ids, data)  # warm
     start = time.perf_counter()
     engine.runner.import_blocks(ids, data)
     seconds = time.perf_counter() - start
+    if staged is not None:
+        staged.release()
     itemsize = data.element_size()
     shard = engine.runner.shard
     whole = wire_block_bytes(mc, bs, itemsize)

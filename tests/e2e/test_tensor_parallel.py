@@ -19,6 +19,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.errors import EngineDeadError
+from engine.kv_transfer import LocalKVTransfer
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -53,8 +54,9 @@ def greedy(n: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def engine(model: Path, tp: int, **kwargs) -> Engine:
-    return Engine.from_model(str(model), kv_cache_gb=0.05, num_threads=1, tensor_parallel_size=tp, **kwargs)
+def engine(model: Path, tp: int, connector=None, **kwargs) -> Engine:
+    return Engine.from_model(str(model), connector, kv_cache_gb=0.05, num_threads=1, tensor_parallel_size=tp,
+                             **kwargs)
 
 
 def rank_processes() -> list[Path]:
@@ -74,7 +76,8 @@ def tiny4_reference(tiny4) -> list[list[int]]:
 
 
 def test_tp2_equals_tp1_and_its_blocks_read_at_either_degree(tiny4, tiny4_reference):
-    e1, e2 = engine(tiny4, 1, max_num_batched_tokens=32), engine(tiny4, 2, max_num_batched_tokens=32)
+    e1 = engine(tiny4, 1, max_num_batched_tokens=32)
+    e2 = engine(tiny4, 2, LocalKVTransfer(), max_num_batched_tokens=32)  # a connector: a shared staging pool
     try:
         assert e2.generate(PROMPTS, greedy()) == tiny4_reference  # chunked prefill mixed with decodes
         assert e1.generate(PROMPTS, greedy()) == tiny4_reference
@@ -84,6 +87,16 @@ def test_tp2_equals_tp1_and_its_blocks_read_at_either_degree(tiny4, tiny4_refere
         assert torch.allclose(e2.runner.export_blocks(ids), whole, rtol=1e-4, atol=1e-4)
         e2.runner.import_blocks([10, 11], whole[:2])  # each rank takes its half of every block
         assert torch.equal(e2.runner.export_blocks([10, 11]), whole[:2])
+        # Through the staging pool, in place: ranks read and write their heads in the rows the connector
+        # pulls into and pushes from.
+        rows = e2.staging.take(2)
+        assert e2.runner.export_blocks([10, 11], rows.tensor) is rows.tensor
+        assert torch.equal(rows.tensor, whole[:2])
+        rows.tensor.copy_(whole[2:4])
+        e2.runner.import_blocks([12, 13], rows.tensor)
+        assert torch.equal(e2.runner.export_blocks([12, 13]), whole[2:4])
+        rows.release()
+        assert e2.runner.in_place_transfers == 2
     finally:
         e2.close()
     assert wait_until(lambda: not rank_processes(), 10)

@@ -5,10 +5,12 @@ inputs (``StepInputs.pack``, one int64 message) and runs its own shard; the othe
 (``engine.parallel.rank``, one process each) receive it and run theirs, meeting rank 0 in the
 all-reduces of the row-parallel layers. Only rank 0 computes logits and samples.
 
-KV blocks cross between ranks through shared memory, never through rank 0's memory of another rank's
-heads: for an export every rank writes its heads straight into their byte range of one buffer of whole
-blocks (the wire layout puts a rank's heads in one contiguous range), for an import every rank reads
-its range of the blocks the connector pulled.
+KV blocks cross between the connector and the ranks through shared memory: the engine's staging pool
+(``engine.kv_staging``, shared when there are ranks), where a pull lands and a push is sent from. For an
+export every rank writes its heads straight into their byte range of the rows (the wire layout puts a
+rank's heads in one contiguous range); for an import every rank copies its range out of them. Blocks
+outside the pool (a transfer larger than it) go through a shared buffer of the executor's, which rank 0
+fills with the whole blocks first, or copies them out of.
 
 A rank that dies (or a collective that fails) makes the engine dead: every call raises
 ``EngineDeadError`` from then on, and ``on_dead`` callbacks run once (the worker exits and the gateway

@@ -16,8 +16,19 @@ _SEED_STRIDE = 1_000_003
 
 
 class Sampler:
+    """Samples where the logits are (on the GPU on CUDA): only token ids and the requested logprobs come
+    back to the host, never a ``[batch, vocab]`` row."""
+
     def __init__(self, seed: int = 0) -> None:
-        self._unseeded = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._unseeded: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on ``device`` (one per device, seeded by the engine's seed)."""
+        gen = self._unseeded.get(device)
+        if gen is None:
+            gen = self._unseeded[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_requests, vocab] float32, one row per request that samples this step.
@@ -26,13 +37,13 @@ class Sampler:
         noise (only penalties and seeded rows' noise run per row), so a step's sampling costs a few tensor ops
         whatever the batch size, not a Python loop over its requests.
         """
-        logits = logits.cpu()
+        dev = logits.device
         plain = [not r.params.has_penalties and r.params.greedy for r in requests]
         if all(plain):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = torch.empty(len(requests), dtype=torch.long)
-            greedy = torch.tensor(plain)
+            tokens = torch.empty(len(requests), dtype=torch.long, device=dev)
+            greedy = torch.tensor(plain, device=dev)
             if greedy.any():
                 tokens[greedy] = logits[greedy].argmax(dim=-1)
             rest = [i for i, g in enumerate(plain) if not g]
@@ -52,7 +63,6 @@ class Sampler:
         greedily, as vLLM's do), this is the standard rejection rule: the draft token is accepted with the
         target's probability of it, and a rejection samples from the target without it.
         """
-        rows = rows.cpu()
         p = request.params
         greedy = p.greedy and not p.has_penalties
         targets = rows.argmax(dim=-1).tolist() if greedy else None
@@ -78,7 +88,8 @@ class Sampler:
                 if r.params.has_penalties:
                     apply_penalties(row, r)
         params = [r.params for r in requests]
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=rows.dtype)
+        dev = rows.device
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=rows.dtype, device=dev)
         probs = filter_rows(rows / temps[:, None], params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. It flips only where two candidates
         # nearly tie, so logits that differ in the last bits (a prefix-cached prefill, another batch) sample
@@ -88,15 +99,17 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if len(unseeded) == len(params):
-            noise.uniform_(generator=self._unseeded)
+            noise.uniform_(generator=self._generator(dev))
         elif unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).uniform_(generator=self._unseeded)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).uniform_(
+                generator=self._generator(dev))
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
             if p.seed is not None:
                 at = r.num_tokens if positions is None else positions[i]
-                noise[i].uniform_(generator=torch.Generator().manual_seed((p.seed * _SEED_STRIDE + at) % 2**64))
+                seeded = torch.Generator(device=dev).manual_seed((p.seed * _SEED_STRIDE + at) % 2**64)
+                noise[i].uniform_(generator=seeded)
         tokens = (probs / noise.log_().neg_()).argmax(dim=-1)
-        greedy = torch.tensor([p.greedy for p in params])
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
         if greedy.any():  # greedy with penalties: the penalised argmax
             tokens[greedy] = rows[greedy].argmax(dim=-1)
         return tokens
@@ -106,11 +119,11 @@ def apply_penalties(row: torch.Tensor, request: Request) -> torch.Tensor:
     """Repetition penalty over prompt and output (as transformers); presence/frequency over output (as OpenAI)."""
     p = request.params
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(request.all_token_ids())), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.all_token_ids())), dtype=torch.long, device=row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-        out = torch.tensor(request.output_token_ids, dtype=torch.long)
+        out = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
         counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return row
@@ -127,7 +140,7 @@ def filter_rows(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     vocab = rows.shape[1]
     top_k = [i for i, p in enumerate(params) if p.top_k != -1 and p.top_k < vocab]
     if top_k:
-        ks = torch.tensor([params[i].top_k for i in top_k])
+        ks = torch.tensor([params[i].top_k for i in top_k], device=rows.device)
         sub = take(rows, top_k)
         kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
         if len(top_k) == len(params):
@@ -138,13 +151,13 @@ def filter_rows(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     probs = torch.softmax(rows, dim=-1)
     top_p = [i for i, p in enumerate(params) if p.top_p < 1]
     if top_p:
-        limit = torch.tensor([params[i].top_p for i in top_p], dtype=probs.dtype)[:, None]
+        limit = torch.tensor([params[i].top_p for i in top_p], dtype=probs.dtype, device=probs.device)[:, None]
         if len(top_p) == len(params):
             probs = nucleus(probs, limit)
         else:
             probs[top_p] = nucleus(probs[top_p], limit)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
         probs[probs < (min_p * probs.max(dim=-1).values)[:, None]] = 0
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -191,7 +204,7 @@ def batch_logprobs(rows: torch.Tensor, tokens: list[int], top_ns: list[int | Non
         return out
     sub = take(rows, asked)
     lse = torch.logsumexp(sub, dim=-1, keepdim=True)  # log-softmax is x - lse: no [rows, vocab] result needed
-    raw = sub.gather(1, torch.tensor([tokens[i] for i in asked])[:, None])
+    raw = sub.gather(1, torch.tensor([tokens[i] for i in asked], device=sub.device)[:, None])
     ranks = ((sub > raw).sum(dim=-1) + 1).tolist()
     chosen = (raw - lse)[:, 0].tolist()
     most = max(top_ns[i] for i in asked)

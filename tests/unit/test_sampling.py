@@ -79,3 +79,56 @@ def test_stop_token_ids_eos_and_max_tokens(engine):
     while engine.has_unfinished():
         last = next((o for o in engine.step() if o.request_id == rid), last)
     assert last.finish_reason == "length" and last.num_output_tokens == 4
+
+
+def _mixed_requests() -> list[Request]:
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01),
+        SamplingParams(temperature=1.0, seed=7, logprobs=5),
+        SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, logprobs=2),
+        SamplingParams(temperature=0.7, top_k=3, seed=3),
+    ]
+    requests = []
+    for i, p in enumerate(params):
+        r = Request(f"r{i}", [1, 2, 3, 4 + i], p, ())
+        r.output_token_ids = [5, 6]
+        requests.append(r)
+    return requests
+
+
+def test_sampling_brings_back_token_ids_and_requested_logprobs_only(monkeypatch):
+    """On a GPU the logits stay where they are: what crosses to the host is one id per row and the top-n of
+    the rows that asked for logprobs, never a vocabulary-wide row (131 MB a step at vocab 128k, batch 256)."""
+    vocab = 4096
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    moved: list[int] = []
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(t):
+        moved.append(t.numel())
+        return real_tolist(t)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sampler moved a tensor to the host")
+
+    from engine.sampler import Sampler
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    for name in ("cpu", "numpy", "item"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    tokens, logprobs = Sampler(0).sample(logits.clone(), _mixed_requests())
+    assert len(tokens) == 5 and [lp is not None for lp in logprobs] == [False, False, True, True, False]
+    assert moved and max(moved) <= 5 * 5 and sum(moved) < vocab  # ids, ranks, chosen and top-n values
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs wherever there is one)")
+def test_sampling_on_the_gpu_matches_the_cpu_for_greedy_rows():
+    from engine.sampler import Sampler
+
+    logits = torch.randn(6, 32000, generator=torch.Generator().manual_seed(1))
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(temperature=0, logprobs=3), ()) for i in range(6)]
+    cpu_tokens, cpu_lps = Sampler(0).sample(logits, requests)
+    gpu_tokens, gpu_lps = Sampler(0).sample(logits.cuda(), requests)
+    assert gpu_tokens == cpu_tokens
+    assert [lp.rank for lp in gpu_lps] == [lp.rank for lp in cpu_lps]

@@ -50,7 +50,8 @@ class Engine:
             self.model_config.to_dict(),
             config.dtype,
             config.block_size,
-            weights_id(config.model, config.load_format, config.seed, config.quantization, config.gguf_file),
+            weights_id(config.model, config.load_format, config.seed, config.quantization, config.gguf_file,
+                       config.device),
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.fingerprint

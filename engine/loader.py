@@ -52,7 +52,7 @@ def load_model(
     if quantization == "gguf":
         get = _gguf_getter(Path(gguf_file or ""), config, dtype)
     elif load_format == "dummy":
-        get = _dummy_getter(config, dtype, seed)
+        get = _dummy_getter(config, dtype, seed, device)
     else:
         get = _safetensors_getter(Path(model_dir))
     source = gguf_file if quantization == "gguf" else model_dir
@@ -142,9 +142,11 @@ def _safetensors_getter(model_dir: Path) -> Getter:
     return get
 
 
-def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int) -> Getter:
-    """Random weights of the right shapes: for benchmarks of shapes we have no weights for."""
-    gen = torch.Generator().manual_seed(seed)
+def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int, device: torch.device) -> Getter:
+    """Random weights of the right shapes: for benchmarks of shapes we have no weights for. Drawn on the
+    engine's device (16 GB of Llama-3-8B in seconds on a GPU, minutes on its host's CPU); a device draws
+    other numbers than the CPU, so ``weights_id`` tells them apart."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     h, d = config.hidden_size, config.head_dim
     shapes = {
         "q_proj.weight": (config.num_heads * d, h),
@@ -165,20 +167,21 @@ def _dummy_getter(config: ModelConfig, dtype: torch.dtype, seed: int) -> Getter:
         if name.endswith("norm.weight"):
             return torch.ones(h, dtype=dtype)
         key = ".".join(name.split(".")[-2:])
-        t = torch.empty(shapes[key], dtype=torch.float32)
+        t = torch.empty(shapes[key], dtype=torch.float32, device=device)
         return t.normal_(0.0, 0.02, generator=gen).to(dtype)
 
     return get
 
 
 def weights_id(model_dir: str | Path, load_format: str = "auto", seed: int = 0, quantization: str = "none",
-               gguf_file: str | Path | None = None) -> str:
+               gguf_file: str | Path | None = None, device: str = "cpu") -> str:
     """What tells these weights apart from others of the same shape: part of the model fingerprint (so a
     quantized worker never shares KV blocks with an unquantized one)."""
     if quantization == "gguf":
         return "gguf:" + weights_digest([Path(gguf_file or "")])
     if load_format == "dummy":
-        base = f"dummy:{seed}"
+        kind = torch.device(device).type
+        base = f"dummy:{seed}" if kind == "cpu" else f"dummy:{seed}:{kind}"  # drawn by that device's generator
     else:
         base = weights_digest(sorted(Path(model_dir).glob("*.safetensors")))
     return f"{base}:{quantization}" if quantization in QUANTIZERS else base

@@ -64,19 +64,27 @@ def make_workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, i
     return Workload(prompts, [rng.randint(*out_range) for _ in range(n)])
 
 
-def read_bandwidth_gbps(num_threads: int) -> float:
-    """Best of 3 ``torch.sum`` passes over 1 GiB of float32 (the peers' roofline method)."""
+def read_bandwidth_gbps(num_threads: int, device: str = "cpu") -> float:
+    """Best of 3 ``torch.sum`` passes over 1 GiB of float32 (the peers' roofline method), on ``device``:
+    host DRAM on CPU, HBM on a GPU."""
     torch.set_num_threads(num_threads)
-    x = torch.ones(1 << 28, dtype=torch.float32)
+    x = torch.ones(1 << 28, dtype=torch.float32, device=device)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(3))
+    best = min(_timed(x.sum, device) for _ in range(3))
     return (1 << 30) / best / 1e9
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: str = "cpu") -> float:
+    _sync(device)
     t = time.perf_counter()
     fn()
+    _sync(device)
     return time.perf_counter() - t
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def tandem_batch(engine, work: Workload) -> float:
@@ -113,8 +121,8 @@ def hf_batch(model, work: Workload, batch_size: int, pad_id: int) -> float:
     for i in range(0, len(work.prompts), batch_size):
         prompts, lens = work.prompts[i : i + batch_size], work.output_lens[i : i + batch_size]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         new = max(lens)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
@@ -123,12 +131,13 @@ def hf_batch(model, work: Workload, batch_size: int, pad_id: int) -> float:
 
 
 def hf_single(model, prompt: list[int], new: int, pad_id: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
 
     def gen(n: int) -> float:
         with torch.inference_mode():
             return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id))
+                                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id),
+                          str(model.device))
 
     t1, tn = gen(1), gen(new)
     return (new - 1) / (tn - t1)
@@ -162,11 +171,10 @@ def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_pro
 
 
 def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
-    from transformers import AutoModelForCausalLM
 
     from common.engine_args import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, dtype)).eval()
+    model = hf_model(resolve_model(args.model), getattr(torch, dtype), args.device, args.load_format)
     pad = model.config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else (pad if pad is not None else 0)
     hf_single(model, single_prompt[:16], 4, pad)  # warm-up
@@ -183,6 +191,17 @@ def bench_hf(args: argparse.Namespace, dtype: str, work: Workload, single_prompt
     }
 
 
+def hf_model(path: Path, dtype: torch.dtype, device: str, load_format: str):
+    """transformers' model on the engine's device: the checkpoint, or random weights of its config drawn on
+    the device for ``--load-format dummy`` (a config-only folder such as tandem/configs/llama-3-8b)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
 def run(args: argparse.Namespace) -> int:
     from common.engine_args import engine_config, resolve_model
     from engine import ModelConfig
@@ -194,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     mc = ModelConfig.from_path(resolve_model(args.model))
     work = make_workload(args.num_requests, _range(args.prompt_len), _range(args.output_len), mc.vocab_size, args.seed)
     single_prompt = make_workload(1, (32, 32), (1, 1), mc.vocab_size, args.seed + 1).prompts[0]
-    bw = read_bandwidth_gbps(threads)
-    print(f"read bandwidth {bw:.1f} GB/s ({threads} threads); {args.num_requests} requests, "
+    bw = read_bandwidth_gbps(threads, args.device)
+    print(f"read bandwidth {bw:.1f} GB/s ({args.device}, {threads} threads); {args.num_requests} requests, "
           f"{work.num_output_tokens} output tokens", file=sys.stderr)
     names = [n for n in args.scenarios.split(",") if n]
     unknown = set(names) - {"throughput", "step-profile", *SCENARIOS}

@@ -333,3 +333,11 @@ def test_fp8_model_on_cuda_close_to_bfloat16(tiny_llama):
     engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64, device="cuda", dtype="bfloat16", quantization="fp8")
     want, got = run_engine(reference, prompts, [8] * 6), run_engine(engine, prompts, [8] * 6)
     assert_greedy_equal_or_near_tie(reference, prompts, want, got, 1.0, lambda *_: None)
+
+
+def test_dummy_weights_drawn_on_another_device_have_their_own_weights_id():
+    from engine.loader import weights_id
+
+    cpu = weights_id("m", "dummy", 3)
+    assert cpu == weights_id("m", "dummy", 3, device="cpu") == "dummy:3"  # unchanged on CPU
+    assert weights_id("m", "dummy", 3, device="cuda:0") == "dummy:3:cuda" != cpu

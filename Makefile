@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TANDEM := $(VENV)/bin/tandem
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup model run test test-fast lint bench clean
+.PHONY: setup model run test test-fast lint bench clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,3 +39,13 @@ bench: model
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# On a GPU machine with no network: a venv over the machine's own CUDA torch, the project and its
+# dependencies (setuptools included, for the build) from WHEELS (a folder of wheels), then every check of tandem/gpu_check.py as JSON lines
+# (also appended to gpu-check.jsonl).
+GPU_VENV ?= .venv-gpu
+WHEELS ?= wheels
+gpu-check:
+	python3 -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHEELS) -e .
+	$(GPU_VENV)/bin/python -m tandem.gpu_check --device cuda --out gpu-check.jsonl

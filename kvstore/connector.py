@@ -13,6 +13,7 @@ GB/s of the UCX hop as attributes; the store's own spans hang under it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -56,6 +57,9 @@ class KVStoreConnector(KVConnector):
         self.staging: StagingPool | None = None
         self._failed_blocks: dict[str, int] = {}  # per request not yet collected by ``wait_saved``
         self._pulls = 0
+        self._pull_numbers = itertools.count()
+        self._pulling: dict[int, str] = {}  # pulls in flight: number -> request id
+        self._gone: set[int] = set()  # pulls in flight whose request has ended
         self._traces: dict[str, Any] = {}  # request id -> the trace context of its transfers
         self._touched: set[str] = set()  # requests whose partial blocks this side pulled
         self.failed_saves = 0
@@ -162,6 +166,7 @@ class KVStoreConnector(KVConnector):
         pulled (kept until now, so that a request moved to another worker can pull it again), or
         what a producer pushed for a request that ended at its first token or was aborted. Called
         from the engine thread after the request's last save, so its pushes are all known here."""
+        self._forget_loads(request.request_id)
         if request.status.finish_reason == "prefilled":
             return  # a decode worker pulls them next
         with self._lock:
@@ -169,6 +174,19 @@ class KVStoreConnector(KVConnector):
             self._touched.discard(request.request_id)
         if touched or request.num_saved_blocks:
             self.discard_request(request.request_id)
+
+    def _forget_loads(self, request_id: str) -> None:
+        """The request ended (aborted while its KV was on the way): the engine will not poll its loads,
+        so their staging rows go back now, or as soon as a pull in flight lands."""
+        with self._lock:
+            for number, rid in self._pulling.items():
+                if rid == request_id:
+                    self._gone.add(number)
+            stale = [r for r in self._done if r.request_id == request_id]
+            self._done = [r for r in self._done if r.request_id != request_id]
+        for r in stale:
+            if r.release is not None:
+                r.release()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every push so far is committed."""
@@ -186,11 +204,14 @@ class KVStoreConnector(KVConnector):
         partials = [r for r in refs if isinstance(r, PartialRef)]
         with self._lock:
             self._pulls += 1
+            number = next(self._pull_numbers)
+            self._pulling[number] = request.request_id
             if partials:
                 self._touched.add(request.request_id)
-        self._call(self._load(request.request_id, keys, partials, num_blocks, self._trace_of(request.request_id)))
+        self._call(self._load(number, request.request_id, keys, partials, num_blocks,
+                              self._trace_of(request.request_id)))
 
-    async def _load(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
+    async def _load(self, number: int, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
                     ctx: Any) -> None:
         with telemetry.span("kv.pull", ctx, attributes={"tandem.kv.blocks": n}) as span:
             try:
@@ -200,8 +221,14 @@ class KVStoreConnector(KVConnector):
             if result.error is not None:
                 telemetry.fail(span, "MISS", result.error)
         with self._lock:
-            self._done.append(result)
+            del self._pulling[number]
+            gone = number in self._gone
+            self._gone.discard(number)
+            if not gone:
+                self._done.append(result)
             self._pulls -= 1
+        if gone and result.release is not None:  # its request ended meanwhile: nobody imports it
+            result.release()
 
     async def _pull(self, request_id: str, keys: list[bytes], partials: list[PartialRef], n: int,
                     span: Any) -> LoadResult:

@@ -218,6 +218,44 @@ def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
         consumer.connector.close()
 
 
+def test_a_load_whose_request_ends_gives_its_staging_rows_back(node, tiny_llama):
+    """Aborted while its KV is on the way: the engine never polls that load, and no step may come (an idle
+    worker), yet its staging rows go back, whether the pull had landed or was still in flight."""
+    producer_cfg = EngineConfig(str(tiny_llama), num_kv_blocks=64, role="producer")
+    consumer_cfg = EngineConfig(str(tiny_llama), num_kv_blocks=64, role="consumer")
+    producer = Engine(producer_cfg, KVStoreConnector(node.grpc, producer_cfg))
+    consumer = Engine(consumer_cfg, KVStoreConnector(node.grpc, consumer_cfg))
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    def start_load(seed: int) -> str:
+        prompt = [seed * 7 % 250 + i % 5 for i in range(64)]  # four full blocks: nothing request-scoped
+        [[first]] = producer.generate([prompt], params)
+        producer.connector.flush()
+        options = RequestOptions(output_token_ids=[first], num_external_tokens=len(prompt))
+        rid = consumer.add_request(prompt, params, options=options)
+        consumer.step()  # starts the load
+        return rid
+
+    def settles(predicate) -> bool:
+        deadline = time.monotonic() + 5
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return predicate()
+
+    try:
+        rid = start_load(1)  # landed, not polled: the result holds its rows until the request ends
+        assert settles(lambda: consumer.connector.num_pending_loads == 0) and consumer.staging.in_use == 4
+        consumer.abort(rid)
+        assert consumer.staging.in_use == 0
+        rid = start_load(2)  # in flight: given back when it lands
+        consumer.abort(rid)
+        assert settles(lambda: consumer.connector.num_pending_loads == 0 and consumer.staging.in_use == 0)
+        assert consumer.staging.high_water == 4 and consumer.stats.kv_blocks_loaded == 0  # nothing imported
+    finally:
+        producer.connector.close()
+        consumer.connector.close()
+
+
 def test_eviction_is_lru_and_capacity_is_never_exceeded(node):
     old, new = random_blocks(40, seed=2), random_blocks(40, seed=3)
 

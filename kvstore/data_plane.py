@@ -192,11 +192,15 @@ class DataPlaneServer:
                     return
                 runs = slot_runs(wanted, self.buffer.shape[1])
                 rows = [self.buffer[wanted[i] : wanted[i] + k].reshape(-1) for i, k in runs]
+                complete = False
                 try:
                     await ep.send(_status(ACCEPTED))
                     await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
+                    complete = True
                 finally:
                     self.pool.end_transfer(grant)
+                    if op == OP_WRITE and not complete:  # a writer gone mid-write never commits
+                        self.pool.abandon(grant)
                 if op == OP_WRITE:  # after end_transfer: the writer commits as soon as it has this
                     await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
         except Exception:  # the peer closed or died mid-transfer: its reservation or lease expires

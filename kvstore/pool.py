@@ -208,6 +208,14 @@ class BlockPool:
             if res is not None:
                 self._close(res)
 
+    def abandon(self, grant: Grant) -> None:
+        """A write under this reservation broke off mid-transfer: its writer died, or gave up and releases
+        it anyway (the client never retries a reservation), so its slots go back now, not at the TTL."""
+        with self._lock:
+            rid = next((r for r, res in self._reservations.items() if res is grant), None)
+            if rid is not None:
+                self._close(self._reservations.pop(rid))
+
     # -- readers -------------------------------------------------------------------------------
 
     def find(self, keys: list[BlockRef]) -> list[tuple[int, Stored] | None]:

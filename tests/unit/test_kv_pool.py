@@ -200,3 +200,18 @@ def test_the_pool_hands_out_sorted_slots():
     pool = BlockPool(64, 8)
     _, first, _ = pool.reserve(4, 10)
     assert first == [0, 1, 2, 3]
+
+
+def test_an_abandoned_write_frees_its_reservation_at_once():
+    pool = BlockPool(64, 8)
+    rid, slots, _ = pool.reserve(3, ttl_s=30)
+    token = pool.token_of(rid)
+    grant = pool.begin_transfer(token, slots, write=True)
+    assert grant is not None
+    pool.end_transfer(grant)
+    pool.abandon(grant)
+    snap = pool.snapshot()
+    assert snap["reserved_blocks"] == 0 and snap["active_reservations"] == 0 and snap["free_blocks"] == 8
+    assert pool.begin_transfer(token, slots, write=True) is None  # the token died with the reservation
+    with pytest.raises(UnknownHandleError):
+        pool.token_of(rid)

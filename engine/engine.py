@@ -118,13 +118,11 @@ class Engine:
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """``callback(why)`` once if the engine dies (a tensor-parallel rank is lost); never at degree 1."""
-        if hasattr(self.runner, "on_dead"):
-            self.runner.on_dead(callback)
+        self.runner.on_dead(callback)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any; the engine is unusable after."""
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
+        self.runner.shutdown()
         if self.staging is not None:
             self.staging.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import build_metadata, select_backend
@@ -84,6 +86,12 @@ class ModelRunner:
         data = data.to(device=self.device, dtype=self.config.torch_dtype)
         for layer, cache in enumerate(self.kv_caches):
             self.attn.write_blocks(cache, ids, data[:, :, layer].permute(0, 2, 3, 1, 4))
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """One process cannot lose a rank: nothing to report (``TPExecutor`` can)."""
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process (``TPExecutor`` stops its ranks)."""
 
     def _blocks_for(self, gigabytes: float) -> int:
         return max(1, int(gigabytes * 2**30) // self.block_bytes)

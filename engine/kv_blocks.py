@@ -48,12 +48,6 @@ def wire_block_shape(model: KVDims, block_size: int, num_kv_heads: int | None = 
     return (heads, model.num_layers, 2, block_size, model.head_dim)
 
 
-def head_slice_bytes(model: KVDims, block_size: int, itemsize: int, first_head: int, num_heads: int) -> tuple[int, int]:
-    """Where heads ``first_head .. first_head + num_heads`` lie in a block: (byte offset, byte length)."""
-    per_head = math.prod(wire_block_shape(model, block_size, 1)) * itemsize
-    return first_head * per_head, num_heads * per_head
-
-
 def wire_block_bytes(model: KVDims, block_size: int, itemsize: int) -> int:
     """Bytes of one block on the wire: a kvstore slot."""
     return math.prod(wire_block_shape(model, block_size)) * itemsize

@@ -336,20 +336,22 @@ class DataPlaneClient:
         await _on_ucx_loop(self._read(address, token, slots, out))
 
     async def _read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
-        runs = slot_runs(slots, out[0].nbytes)
         targets = []  # where each run's message lands: the caller's rows when back to back, else a buffer
-        for i, k in runs:
-            joined = _joined(out[i : i + k])
-            targets.append(joined if joined is not None else np.empty(sum(o.nbytes for o in out[i : i + k]),
-                                                                     dtype=np.uint8))
+        scattered = []  # (buffer, the rows it is copied out to) for runs whose rows are apart
+        for i, k in slot_runs(slots, out[0].nbytes):
+            rows = out[i : i + k]
+            target = _joined(rows)
+            if target is None:
+                target = np.empty(sum(o.nbytes for o in rows), dtype=np.uint8)
+                scattered.append((target, rows))
+            targets.append(target)
         async with self._transfer(address, OP_READ, token, slots) as ep:
             await _windowed(len(targets), lambda a, b: asyncio.gather(*(ep.recv(x) for x in targets[a:b])))
-        for (i, k), target in zip(runs, targets, strict=True):
-            if _joined(out[i : i + k]) is None:
-                at = 0
-                for o in out[i : i + k]:
-                    o[:] = target[at : at + o.nbytes]
-                    at += o.nbytes
+        for target, rows in scattered:
+            at = 0
+            for o in rows:
+                o[:] = target[at : at + o.nbytes]
+                at += o.nbytes
 
     async def close(self) -> None:
         await _on_ucx_loop(self._close_all())

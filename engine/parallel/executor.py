@@ -171,9 +171,9 @@ class TPExecutor:
                 self.local.export_blocks(block_ids, out[:, heads])
                 self.group.barrier()
                 return out
-            nbytes = math.prod(shape) * self._itemsize
-            name, buf = self._staging.get(nbytes)
-            shared = torch.frombuffer(buf, dtype=self.config.torch_dtype, count=nbytes // self._itemsize).view(shape)
+            dtype, count = self.config.torch_dtype, math.prod(shape)
+            name, buf = self._staging.get(count * dtype.itemsize)
+            shared = torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
             self.group.send([OP_EXPORT, IN_STAGING, name, len(block_ids), *block_ids])
             self.local.export_blocks(block_ids, shared[:, heads])
             self.group.barrier()
@@ -191,10 +191,6 @@ class TPExecutor:
             for _ in range(times):
                 self.group.all_reduce(t)
             return (time.perf_counter() - start) / times
-
-    @property
-    def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.config.torch_dtype).element_size()
 
     def shutdown(self) -> None:
         """Stop the ranks: they finish on ``OP_STOP``; after a death the survivors are killed."""

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.bench.offline import best_of
+
 LLAMA_3_8B = Path(__file__).parent / "configs" / "llama-3-8b"
 TINY_VOCAB = 256
 
@@ -72,23 +74,6 @@ def _cuda_only(device: torch.device) -> None:
         raise Skip("needs --device cuda")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Best of ``repeats`` seconds of ``fn()``, synchronised with the device."""
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 # ---- the checks ----------------------------------------------------------------------------------------------
 
 
@@ -108,7 +93,7 @@ def probe(device: torch.device, quick: bool, work: Path) -> dict:
 
 def hbm_bandwidth(device: torch.device, quick: bool, work: Path) -> dict:
     x = torch.ones((1 << 24) if quick else (1 << 30), dtype=torch.float32, device=device)  # 64 MiB or 4 GiB
-    seconds = _timed(x.sum, device)
+    seconds = best_of(3, x.sum, str(device))
     return {"ok": True, "read_gbps": round(x.nbytes / seconds / 1e9, 1), "bytes": x.nbytes}
 
 
@@ -117,8 +102,8 @@ def pcie(device: torch.device, quick: bool, work: Path) -> dict:
     n = 1 << 28  # 256 MiB
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device)
+    h2d = best_of(3, lambda: dev.copy_(host, non_blocking=True), str(device))
+    d2h = best_of(3, lambda: host.copy_(dev, non_blocking=True), str(device))
     return {"ok": True, "h2d_gbps": round(n / h2d / 1e9, 1), "d2h_gbps": round(n / d2h / 1e9, 1)}
 
 
@@ -202,8 +187,8 @@ def kv_export_import(device: torch.device, quick: bool, work: Path) -> dict:
     n = max(1, (128 << 20) // block_bytes) if not quick else 8
     staged = engine.staging.take(n)
     ids = list(range(n))
-    export = _timed(lambda: engine.runner.export_blocks(ids, staged.tensor), device)
-    import_ = _timed(lambda: engine.runner.import_blocks(ids, staged.tensor), device)
+    export = best_of(3, lambda: engine.runner.export_blocks(ids, staged.tensor), str(device))
+    import_ = best_of(3, lambda: engine.runner.import_blocks(ids, staged.tensor), str(device))
     staged.release()
     nbytes = n * block_bytes
     return {"ok": True, "bytes": nbytes, "export_gbps": round(nbytes / export / 1e9, 2),

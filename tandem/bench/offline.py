@@ -70,16 +70,22 @@ def read_bandwidth_gbps(num_threads: int, device: str = "cpu") -> float:
     torch.set_num_threads(num_threads)
     x = torch.ones(1 << 28, dtype=torch.float32, device=device)
     x.sum()
-    best = min(_timed(x.sum, device) for _ in range(3))
+    best = best_of(3, x.sum, device)
     return (1 << 30) / best / 1e9
 
 
 def _timed(fn, device: str = "cpu") -> float:
+    """Seconds of ``fn()``, synchronised with ``device``."""
     _sync(device)
     t = time.perf_counter()
     fn()
     _sync(device)
     return time.perf_counter() - t
+
+
+def best_of(repeats: int, fn, device: str = "cpu") -> float:
+    """The fastest of ``repeats`` timed runs of ``fn()``."""
+    return min(_timed(fn, device) for _ in range(repeats))
 
 
 def _sync(device: str) -> None:

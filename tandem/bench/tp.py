@@ -74,12 +74,12 @@ def _blocks_mb(config, n: int) -> int:
 
 
 def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
-    from engine import Engine, SamplingParams
+    from engine import Engine
     from engine.kv_transfer import LocalKVTransfer
 
     engine = Engine(config, LocalKVTransfer())  # a connector: the engine keeps a staging pool, as workers do
     try:
-        out = {"steps": {b: decode_steps(engine, b, steps, SamplingParams) for b in batches}}
+        out = {"steps": {b: decode_steps(engine, b, steps) for b in batches}}
         if hasattr(engine.runner, "ping"):  # the bare collective, at the step's all-reduce sizes
             hidden = engine.model_config.hidden_size
             out["allreduce_us"] = {b: 1e6 * engine.runner.ping(200, b * hidden) for b in batches}
@@ -89,11 +89,13 @@ def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
         engine.close()
 
 
-def decode_steps(engine, batch: int, steps: int, params_cls) -> dict:
+def decode_steps(engine, batch: int, steps: int) -> dict:
     """Mean decode-step time at ``batch`` and rank 0's time inside collectives during those steps."""
+    from engine import SamplingParams
+
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
-    params = params_cls(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(vocab) for _ in range(PROMPT_LEN)], params) for _ in range(batch)]
     started: set[str] = set()
     while len(started) < batch:  # prefill, until every request has its first token

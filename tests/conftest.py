@@ -6,35 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 
 def _save_tiny(path: Path, model_type: str, **overrides) -> Path:
-    import transformers
+    """A tiny random checkpoint saved by transformers (the GPU check makes the same ones)."""
+    from tandem.gpu_check import tiny_checkpoint
 
-    cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[model_type]
-    kwargs = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,  # peaked logits, so greedy argmax has no near-ties
-        eos_token_id=None,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    model = cls[1](cls[0](**kwargs)).eval()
-    model.save_pretrained(path)
-    return path
+    return tiny_checkpoint(path, model_type, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
 import shutil
 import signal
 import time
@@ -192,23 +193,11 @@ def test_a_rank_death_fails_its_worker_and_the_streams_migrate(tiny4, tmp_path):
         migrations = gateway_stats(cluster.gateway.address).migrations
 
         async def run():
-            replies = [Reply() for _ in PROMPTS]
-
-            async def one(i: int) -> Reply:
-                r = await call(cluster.gateway.address, request(PROMPTS[i], LONG), timeout=240,
-                               on_message=lambda m, _: replies[i].messages.append(m) and False)
-                r.messages = replies[i].messages
-                return r
-
-            tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
-            deadline = time.monotonic() + 120
-            while not all(len(r.tokens) >= 3 for r in replies):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks)
-                await asyncio.sleep(0.05)
+            tasks = await streams_under_way(cluster)
             victim = max(cluster.decode, key=lambda w: worker_stats(w.address).num_requests)
             rank1 = _rank_children(victim.pid)
             assert len(rank1) == 1, "a TP=2 worker runs one rank process beside itself"
-            signal_pid(rank1[0], signal.SIGKILL)
+            os.kill(rank1[0], signal.SIGKILL)
             return victim, await asyncio.gather(*tasks)
 
         victim, replies = asyncio.run(run())
@@ -231,7 +220,8 @@ def test_a_rank_death_fails_its_worker_and_the_streams_migrate(tiny4, tmp_path):
         cluster.stop()
 
 
-async def drain_under_streams(cluster) -> tuple[int, list[Reply]]:
+async def streams_under_way(cluster) -> list[asyncio.Task]:
+    """``LONG``-token streams of every prompt, once each has its first 3 tokens (none has ended)."""
     replies = [Reply() for _ in PROMPTS]
 
     async def one(i: int) -> Reply:
@@ -245,6 +235,11 @@ async def drain_under_streams(cluster) -> tuple[int, list[Reply]]:
     while not all(len(r.tokens) >= 3 for r in replies):
         assert time.monotonic() < deadline and not any(t.done() for t in tasks)
         await asyncio.sleep(0.05)
+    return tasks
+
+
+async def drain_under_streams(cluster) -> tuple[int, list[Reply]]:
+    tasks = await streams_under_way(cluster)
     busiest = max(cluster.decode, key=lambda w: worker_stats(w.address).num_requests)
     async with grpc.aio.insecure_channel(busiest.address) as ch:
         drained = await wpb_grpc.WorkerStub(ch).Drain(wpb.DrainRequest(), timeout=30)
@@ -262,8 +257,3 @@ def _rank_children(pid: int) -> list[int]:
             found.append(int(stat.parent.name))
     return found
 
-
-def signal_pid(pid: int, sig: int) -> None:
-    import os
-
-    os.kill(pid, sig)

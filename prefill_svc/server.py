@@ -45,10 +45,15 @@ class PrefillServicer(worker.WorkerServicer):
             if out.finish_reason != "prefilled":
                 return
             failed = await self.connector.wait_saved(rid)
-            yield wpb.PrefillResponse(
+            handoff = wpb.PrefillResponse(
                 handoff=self._handoff(prompt, keys, failed), kv_push_ms=worker.ms(time.monotonic() - sampled)
             )
+            # Handed off as it is sent: the gateway cancels this call as soon as it has read the handoff,
+            # which can close this generator at the yield, before the line after it runs; dropping the
+            # partial blocks then would take them from the decode worker about to pull them. (A gateway
+            # gone before reading it leaves them to the store's TTL for partial blocks.)
             handed_off = True
+            yield handoff
         finally:
             if not handed_off:
                 # Nobody will pull its partial block: drop it once the engine is done with the request,

@@ -126,9 +126,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         keys = _check_keys(list(request.keys))
         entries: list[IndexEntry] = await self._index(self.index.lookup, keys) if keys else []
-        entries = self._still_here(entries)
+        entries, heads = self._still_here(entries)
         addresses: dict[str, str] = await self._index(self.index.nodes) if entries else {}
-        blocks = [self._location(e, addresses.get(e.node_id, "")) for e in entries]
+        blocks = [self._location(e, addresses.get(e.node_id, ""), h) for e, h in zip(entries, heads, strict=True)]
         partials = self._partials(request.partials)
         self.counters.lookups += 1
         self.counters.hit_blocks += len(blocks)
@@ -143,27 +143,34 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                  node_id=self.node_id, pool_id=self.pool_id,
                                  pool_map=self.pool_map if request.map_pool else b"")
 
-    def _still_here(self, entries: list[IndexEntry]) -> list[IndexEntry]:
-        """Cut the prefix at a local block the pool no longer holds (evicted after the index answered)."""
+    def _still_here(self, entries: list[IndexEntry]) -> tuple[list[IndexEntry], list[tuple[int, ...]]]:
+        """Cut the prefix at a local block the pool no longer holds (evicted after the index answered);
+        with each block's head checksums, which only the node that holds it knows (the index has none)."""
         local = self.pool.find([e.key for e in entries])
+        heads = []
         for i, (e, hit) in enumerate(zip(entries, local, strict=True)):
-            if e.node_id == self.node_id and (hit is None or hit[0] != e.slot):
-                return entries[:i]
-        return entries
+            if e.node_id != self.node_id:
+                heads.append(())
+                continue
+            if hit is None or hit[0] != e.slot:
+                return entries[:i], heads
+            heads.append(hit[1].head_checksums)
+        return entries, heads
 
-    def _location(self, e: IndexEntry, address: str) -> pb.BlockLocation:
+    def _location(self, e: IndexEntry, address: str, head_checksums: tuple[int, ...]) -> pb.BlockLocation:
         if e.node_id == self.node_id:
             data, control = self.data_address, self.control_address
         else:
             data, control = split_node_address(address)
         return pb.BlockLocation(key=e.key, node_id=e.node_id, data_address=data, control_address=control,
-                                slot=e.slot, length=e.length, checksum=e.checksum)
+                                slot=e.slot, length=e.length, checksum=e.checksum, head_checksums=head_checksums)
 
     def _partials(self, refs: Iterable[pb.PartialRef]) -> list[pb.BlockLocation]:
         found = self.pool.find([PartialRef(r.request_id, r.index) for r in refs])
         return [
             pb.BlockLocation(node_id=self.node_id, data_address=self.data_address,
-                             control_address=self.control_address, slot=slot, length=s.length, checksum=s.checksum)
+                             control_address=self.control_address, slot=slot, length=s.length, checksum=s.checksum,
+                             head_checksums=s.head_checksums)
             for hit in found
             if hit is not None
             for slot, s in [hit]
@@ -193,10 +200,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if not 0 < b.length <= self.pool.block_bytes:
                 raise ValueError(f"block length {b.length} is outside (0, {self.pool.block_bytes}]")
             key = self._commit_key(b)
-            if xxhash.xxh3_64_intdigest(self.pool.buffer[b.slot, : b.length]) != b.checksum:
+            whole = self._verified(b)
+            if whole is None:
                 rejected += 1  # the bytes in the slot are not what the writer meant: never serve them
                 continue
-            commits.append(Commit(b.slot, key, b.length, b.checksum))
+            commits.append(Commit(b.slot, key, b.length, whole, tuple(b.head_checksums)))
         stored = self.pool.commit(request.reservation_id, commits)
         full = [IndexEntry(c.key, self.node_id, c.slot, c.length, c.checksum) for c in stored
                 if isinstance(c.key, bytes)]
@@ -208,6 +216,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise
         self.counters.bytes_in += sum(c.length for c in stored)
         return pb.CommitResponse(committed=len(stored), rejected=rejected)
+
+    def _verified(self, b: pb.CommitBlock) -> int | None:
+        """The block's whole checksum if its bytes match what the writer committed, else None.
+
+        Writers that each wrote some heads (tensor-parallel ranks) commit only head checksums: the
+        whole one, which whole-block readers and the index use, is computed here from the bytes.
+        """
+        block = self.pool.buffer[b.slot, : b.length]
+        heads = len(b.head_checksums)
+        if heads:
+            if b.length % heads:
+                raise ValueError(f"a block of {b.length} bytes does not split into {heads} equal heads")
+            size = b.length // heads
+            if any(xxhash.xxh3_64_intdigest(block[h * size : (h + 1) * size]) != c
+                   for h, c in enumerate(b.head_checksums)):
+                return None
+        whole = xxhash.xxh3_64_intdigest(block)
+        if b.checksum != whole and (b.checksum or not heads):
+            return None
+        return whole
 
     def _commit_key(self, b: pb.CommitBlock) -> BlockRef:
         if b.key:

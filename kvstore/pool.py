@@ -50,6 +50,7 @@ class Stored:
     checksum: int
     expires: float | None = None  # partial blocks only
     leases: int = 0
+    head_checksums: tuple[int, ...] = ()  # of each KV head's byte range, as committed (may be none)
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class Commit:
     key: BlockRef
     length: int
     checksum: int
+    head_checksums: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ class BlockPool:
                 if c.key in self._by_key or c.slot in used:
                     continue
                 expires = self.clock() + self.partial_ttl_s if isinstance(c.key, PartialRef) else None
-                self._stored[c.slot] = Stored(c.key, c.length, c.checksum, expires)
+                self._stored[c.slot] = Stored(c.key, c.length, c.checksum, expires, head_checksums=c.head_checksums)
                 self._by_key[c.key] = c.slot
                 self._lru[c.slot] = None
                 used.add(c.slot)

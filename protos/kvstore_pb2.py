@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\ttandem.v1\"\x8c\x01\n\rBlockLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x0c\n\x04slot\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x17\n\x0f\x63ontrol_address\x18\x07 \x01(\t\"/\n\nPartialRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"|\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\'\n\x08partials\x18\x02 \x03(\x0b\x32\x15.tandem.v1.PartialRef\x12\r\n\x05lease\x18\x03 \x01(\x08\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x10\n\x08map_pool\x18\x05 \x01(\x08\"\xc1\x01\n\x0eLookupResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\x12*\n\x08partials\x18\x02 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x13\n\x0blease_token\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0f\n\x07pool_id\x18\x06 \x01(\x0c\x12\x10\n\x08pool_map\x18\x07 \x01(\x0c\"3\n\x0eReserveRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\x83\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\r\n\x05token\x18\x06 \x01(\x0c\"r\n\x0b\x43ommitBlock\x12\x0c\n\x04slot\x18\x01 \x01(\x04\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12&\n\x07partial\x18\x03 \x01(\x0b\x32\x15.tandem.v1.PartialRef\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"O\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.tandem.v1.CommitBlock\"5\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"T\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12\x18\n\x10\x64rop_partials_of\x18\x03 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\x83\x03\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\x12\x15\n\rstored_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\x04\x12\x15\n\rleased_blocks\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x1b\n\x13\x61\x63tive_reservations\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x0f\n\x07lookups\x18\x0b \x01(\x04\x12\x12\n\nhit_blocks\x18\x0c \x01(\x04\x12\x13\n\x0bmiss_blocks\x18\r \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0e \x01(\x04\x12\x11\n\tbytes_out\x18\x0f \x01(\x04\x12\x16\n\x0epartial_blocks\x18\x10 \x01(\x04\x12\x19\n\x11refused_transfers\x18\x11 \x01(\x04\x32\xc7\x02\n\x07KVStore\x12=\n\x06Lookup\x12\x18.tandem.v1.LookupRequest\x1a\x19.tandem.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.tandem.v1.CommitRequest\x1a\x19.tandem.v1.CommitResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\ttandem.v1\"\xa4\x01\n\rBlockLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x0c\n\x04slot\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x17\n\x0f\x63ontrol_address\x18\x07 \x01(\t\x12\x16\n\x0ehead_checksums\x18\x08 \x03(\x04\"/\n\nPartialRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"|\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\'\n\x08partials\x18\x02 \x03(\x0b\x32\x15.tandem.v1.PartialRef\x12\r\n\x05lease\x18\x03 \x01(\x08\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x01\x12\x10\n\x08map_pool\x18\x05 \x01(\x08\"\xc1\x01\n\x0eLookupResponse\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\x12*\n\x08partials\x18\x02 \x03(\x0b\x32\x18.tandem.v1.BlockLocation\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\x12\x13\n\x0blease_token\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0f\n\x07pool_id\x18\x06 \x01(\x0c\x12\x10\n\x08pool_map\x18\x07 \x01(\x0c\"3\n\x0eReserveRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\x83\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\r\n\x05token\x18\x06 \x01(\x0c\"\x8a\x01\n\x0b\x43ommitBlock\x12\x0c\n\x04slot\x18\x01 \x01(\x04\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12&\n\x07partial\x18\x03 \x01(\x0b\x32\x15.tandem.v1.PartialRef\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x16\n\x0ehead_checksums\x18\x06 \x03(\x04\"O\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.tandem.v1.CommitBlock\"5\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"T\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12\x18\n\x10\x64rop_partials_of\x18\x03 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\x83\x03\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x04\x12\x15\n\rstored_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\x04\x12\x15\n\rleased_blocks\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x1b\n\x13\x61\x63tive_reservations\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x0f\n\x07lookups\x18\x0b \x01(\x04\x12\x12\n\nhit_blocks\x18\x0c \x01(\x04\x12\x13\n\x0bmiss_blocks\x18\r \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0e \x01(\x04\x12\x11\n\tbytes_out\x18\x0f \x01(\x04\x12\x16\n\x0epartial_blocks\x18\x10 \x01(\x04\x12\x19\n\x11refused_transfers\x18\x11 \x01(\x04\x32\xc7\x02\n\x07KVStore\x12=\n\x06Lookup\x12\x18.tandem.v1.LookupRequest\x1a\x19.tandem.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.tandem.v1.CommitRequest\x1a\x19.tandem.v1.CommitResponse\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvstore_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKLOCATION']._serialized_start=36
-  _globals['_BLOCKLOCATION']._serialized_end=176
-  _globals['_PARTIALREF']._serialized_start=178
-  _globals['_PARTIALREF']._serialized_end=225
-  _globals['_LOOKUPREQUEST']._serialized_start=227
-  _globals['_LOOKUPREQUEST']._serialized_end=351
-  _globals['_LOOKUPRESPONSE']._serialized_start=354
-  _globals['_LOOKUPRESPONSE']._serialized_end=547
-  _globals['_RESERVEREQUEST']._serialized_start=549
-  _globals['_RESERVEREQUEST']._serialized_end=600
-  _globals['_RESERVERESPONSE']._serialized_start=603
-  _globals['_RESERVERESPONSE']._serialized_end=734
-  _globals['_COMMITBLOCK']._serialized_start=736
-  _globals['_COMMITBLOCK']._serialized_end=850
-  _globals['_COMMITREQUEST']._serialized_start=852
-  _globals['_COMMITREQUEST']._serialized_end=931
-  _globals['_COMMITRESPONSE']._serialized_start=933
-  _globals['_COMMITRESPONSE']._serialized_end=986
-  _globals['_RELEASEREQUEST']._serialized_start=988
-  _globals['_RELEASEREQUEST']._serialized_end=1072
-  _globals['_RELEASERESPONSE']._serialized_start=1074
-  _globals['_RELEASERESPONSE']._serialized_end=1091
-  _globals['_STATSREQUEST']._serialized_start=1093
-  _globals['_STATSREQUEST']._serialized_end=1107
-  _globals['_STATSRESPONSE']._serialized_start=1110
-  _globals['_STATSRESPONSE']._serialized_end=1497
-  _globals['_KVSTORE']._serialized_start=1500
-  _globals['_KVSTORE']._serialized_end=1827
+  _globals['_BLOCKLOCATION']._serialized_end=200
+  _globals['_PARTIALREF']._serialized_start=202
+  _globals['_PARTIALREF']._serialized_end=249
+  _globals['_LOOKUPREQUEST']._serialized_start=251
+  _globals['_LOOKUPREQUEST']._serialized_end=375
+  _globals['_LOOKUPRESPONSE']._serialized_start=378
+  _globals['_LOOKUPRESPONSE']._serialized_end=571
+  _globals['_RESERVEREQUEST']._serialized_start=573
+  _globals['_RESERVEREQUEST']._serialized_end=624
+  _globals['_RESERVERESPONSE']._serialized_start=627
+  _globals['_RESERVERESPONSE']._serialized_end=758
+  _globals['_COMMITBLOCK']._serialized_start=761
+  _globals['_COMMITBLOCK']._serialized_end=899
+  _globals['_COMMITREQUEST']._serialized_start=901
+  _globals['_COMMITREQUEST']._serialized_end=980
+  _globals['_COMMITRESPONSE']._serialized_start=982
+  _globals['_COMMITRESPONSE']._serialized_end=1035
+  _globals['_RELEASEREQUEST']._serialized_start=1037
+  _globals['_RELEASEREQUEST']._serialized_end=1121
+  _globals['_RELEASERESPONSE']._serialized_start=1123
+  _globals['_RELEASERESPONSE']._serialized_end=1140
+  _globals['_STATSREQUEST']._serialized_start=1142
+  _globals['_STATSREQUEST']._serialized_end=1156
+  _globals['_STATSRESPONSE']._serialized_start=1159
+  _globals['_STATSRESPONSE']._serialized_end=1546
+  _globals['_KVSTORE']._serialized_start=1549
+  _globals['_KVSTORE']._serialized_end=1876
 # @@protoc_insertion_point(module_scope)

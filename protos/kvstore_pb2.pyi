@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockLocation(_message.Message):
-    __slots__ = ("key", "node_id", "data_address", "slot", "length", "checksum", "control_address")
+    __slots__ = ("key", "node_id", "data_address", "slot", "length", "checksum", "control_address", "head_checksums")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class BlockLocation(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     node_id: str
     data_address: str
@@ -22,7 +23,8 @@ class BlockLocation(_message.Message):
     length: int
     checksum: int
     control_address: str
-    def __init__(self, key: _Optional[bytes] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., control_address: _Optional[str] = ...) -> None: ...
+    head_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., control_address: _Optional[str] = ..., head_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PartialRef(_message.Message):
     __slots__ = ("request_id", "index")
@@ -89,18 +91,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., block_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class CommitBlock(_message.Message):
-    __slots__ = ("slot", "key", "partial", "length", "checksum")
+    __slots__ = ("slot", "key", "partial", "length", "checksum", "head_checksums")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     slot: int
     key: bytes
     partial: PartialRef
     length: int
     checksum: int
-    def __init__(self, slot: _Optional[int] = ..., key: _Optional[bytes] = ..., partial: _Optional[_Union[PartialRef, _Mapping]] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    head_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[int] = ..., key: _Optional[bytes] = ..., partial: _Optional[_Union[PartialRef, _Mapping]] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., head_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "blocks")

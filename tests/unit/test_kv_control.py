@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import xxhash
 
-from kvstore.client import KVStoreClient, ReadGrant
+from kvstore.client import KVStoreClient, ReadGrant, head_checksums
 from kvstore.control import KVStoreService, node_address, split_node_address
 from kvstore.index import MemoryIndex
 from kvstore.pool import BlockPool
@@ -125,5 +126,41 @@ def test_a_pull_through_one_node_takes_the_other_nodes_leases_there():
         locations, _, leases = await locate()
         assert locations == [] and len(leases) == 1  # c's, released by pull
         await client._channel.close()
+
+    asyncio.run(go())
+
+
+def test_commit_checks_each_heads_checksum_and_the_holder_hands_them_to_readers():
+    """Ranks that each wrote their heads commit head checksums only: the store checks every head, computes
+    the whole block's checksum itself, and the node holding the block gives the head checksums to readers
+    (a rank checks the heads it read alone); a node that does not hold the block has none to give."""
+
+    async def go():
+        index = MemoryIndex()
+        a, b = node(index, "a"), node(index, "b")
+        res = await a.Reserve(pb.ReserveRequest(num_blocks=3), Context())
+        keys = [bytes([i]) * 32 for i in (1, 2, 3)]
+        heads = []
+        for slot, k in zip(res.slots, keys, strict=True):
+            a.pool.buffer[slot] = np.frombuffer(k * 2, dtype=np.uint8)
+            heads.append(head_checksums(a.pool.buffer[slot], 4))
+        bad = list(heads[2])
+        bad[3] ^= 1  # the last head's bytes are not what its rank wrote
+        blocks = [pb.CommitBlock(slot=s, key=k, length=BLOCK, head_checksums=h)
+                  for s, k, h in zip(res.slots, keys, [*heads[:2], bad], strict=True)]
+        done = await a.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=blocks), Context())
+        assert (done.committed, done.rejected) == (2, 1)
+
+        here = await a.Lookup(pb.LookupRequest(keys=keys[:2]), Context())
+        assert [list(loc.head_checksums) for loc in here.blocks] == heads[:2]
+        assert [loc.checksum for loc in here.blocks] == [xxhash.xxh3_64_intdigest(a.pool.buffer[s])
+                                                           for s in res.slots[:2]]
+        elsewhere = await b.Lookup(pb.LookupRequest(keys=keys[:2]), Context())
+        assert len(elsewhere.blocks) == 2 and not any(loc.head_checksums for loc in elsewhere.blocks)
+
+        res = await a.Reserve(pb.ReserveRequest(num_blocks=1), Context())
+        uneven = pb.CommitBlock(slot=res.slots[0], key=bytes([9]) * 32, length=BLOCK, head_checksums=[1, 2, 3])
+        with pytest.raises(ValueError, match="does not split into 3 equal heads"):  # INVALID_ARGUMENT
+            await a.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=[uneven]), Context())
 
     asyncio.run(go())

@@ -12,6 +12,13 @@ nothing; the worker side sends from and receives into its arrays as they are whe
 a run's arrays lie back to back in memory (rows of one staging buffer), and
 through one joined copy when they do not.
 
+The ranged ops (``OP_WRITE_RANGE``, ``OP_READ_RANGE``) move bytes ``[offset, offset + length)`` of each
+slot: a tensor-parallel rank pushes and pulls only its own KV heads, one contiguous byte range of every
+block (``engine.parallel``, ``kvstore.rank_agent``), and never handles the other ranks' bytes. After the
+slot numbers the client sends one more message, int64 ``[offset, length]``; a range not inside a block
+is refused like a bad token. The body is one message per slot (a slice of a row is contiguous, those of
+consecutive slots are not adjacent), sent from and received into the caller's arrays as they are.
+
 Which slots a worker may write or read is decided on the control plane, and the
 data plane enforces it: ``Reserve`` returns a token for writes into the reserved
 slots, a leased ``Lookup`` a token for reads of the leased blocks of that node
@@ -45,6 +52,11 @@ T = TypeVar("T")
 
 OP_WRITE = 1
 OP_READ = 2
+OP_WRITE_RANGE = 3  # bytes [offset, offset + length) of each slot: a tensor-parallel rank's heads
+OP_READ_RANGE = 4
+OPS = (OP_WRITE, OP_READ, OP_WRITE_RANGE, OP_READ_RANGE)
+WRITES = (OP_WRITE, OP_WRITE_RANGE)
+RANGED = (OP_WRITE_RANGE, OP_READ_RANGE)
 HEADER_WORDS = 2 + TOKEN_BYTES // 8  # op, n, token
 ACCEPTED = 1
 REFUSED = -1
@@ -150,6 +162,24 @@ def _status(value: int) -> np.ndarray:
     return np.full(1, value, dtype=np.int64)
 
 
+def _range_inside(offset: int, length: int, block_bytes: int) -> bool:
+    """Whether ``[offset, offset + length)`` is a non-empty range inside one block: the store slices its
+    pool rows with it, so a range past the row would move fewer bytes (or another slot's) silently."""
+    return 0 <= offset and length > 0 and offset + length <= block_bytes
+
+
+def _check_slices(arrays: list[np.ndarray], slots: list[int], byte_range: tuple[int, int]) -> None:
+    """Raise ValueError unless ``arrays`` are one contiguous 1-D uint8 array of ``length`` bytes per slot:
+    each is one message, sent from or received into as it is (no copy to hide a wrong shape)."""
+    _, length = byte_range
+    if len(arrays) != len(slots):
+        raise ValueError(f"{len(slots)} slots but {len(arrays)} arrays")
+    for a in arrays:
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous or a.nbytes != length:
+            raise ValueError(f"a ranged transfer needs contiguous 1-D uint8 arrays of {length} bytes, "
+                             f"got {a.dtype} {a.shape} (contiguous: {a.flags.c_contiguous})")
+
+
 class DataPlaneServer:
     """Serves one pool over a UCX listener, on the process's UCX loop; every transfer needs a token
     of that pool (``BlockPool.begin_transfer``)."""
@@ -179,34 +209,66 @@ class DataPlaneServer:
             while True:
                 header.fill(0)  # a shorter message must not leave an earlier token behind
                 await ep.recv(header)
-                op, n = int(header[0]), int(header[1])
-                if op not in (OP_WRITE, OP_READ) or not 0 < n <= MAX_BLOCKS_PER_TRANSFER:
-                    self.pool.refuse_transfer()
-                    return  # a peer that does not speak the protocol: drop the connection
-                slots = np.empty(n, dtype=np.int64)
-                await ep.recv(slots)
-                wanted = slots.tolist()
-                grant = self.pool.begin_transfer(header[2:].tobytes(), wanted, write=op == OP_WRITE)
-                if grant is None:  # no valid token for these slots: the pool is not touched
-                    await ep.send(_status(REFUSED))
+                if not await self._serve(ep, header):
                     return
-                runs = slot_runs(wanted, self.buffer.shape[1])
-                rows = [self.buffer[wanted[i] : wanted[i] + k].reshape(-1) for i, k in runs]
-                complete = False
-                try:
-                    await ep.send(_status(ACCEPTED))
-                    await (self._serve_write if op == OP_WRITE else self._serve_read)(ep, rows)
-                    complete = True
-                finally:
-                    self.pool.end_transfer(grant)
-                    if op == OP_WRITE and not complete:  # a writer gone mid-write never commits
-                        self.pool.abandon(grant)
-                if op == OP_WRITE:  # after end_transfer: the writer commits as soon as it has this
-                    await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
         except Exception:  # the peer closed or died mid-transfer: its reservation or lease expires
             return
         finally:
             await _close(ep)
+
+    async def _serve(self, ep, header: np.ndarray) -> bool:
+        """Serve one transfer; False when it was refused (the caller then drops the connection)."""
+        op, n = int(header[0]), int(header[1])
+        if op not in OPS or not 0 < n <= MAX_BLOCKS_PER_TRANSFER:
+            self.pool.refuse_transfer()
+            return False  # a peer that does not speak the protocol: drop the connection
+        slots = np.empty(n, dtype=np.int64)
+        await ep.recv(slots)
+        wanted = slots.tolist()
+        span = await self._recv_range(ep, op)
+        if span is None:  # counted here: the pool is never asked
+            self.pool.refuse_transfer()
+            await ep.send(_status(REFUSED))
+            return False
+        write = op in WRITES
+        grant = self.pool.begin_transfer(header[2:].tobytes(), wanted, write=write)
+        if grant is None:  # no valid token for these slots: the pool is not touched
+            await ep.send(_status(REFUSED))
+            return False
+        rows = self._rows(wanted, span) if op in RANGED else self._runs(wanted)
+        complete = False
+        try:
+            await ep.send(_status(ACCEPTED))
+            await (self._serve_write if write else self._serve_read)(ep, rows)
+            complete = True
+        finally:
+            self.pool.end_transfer(grant)
+            if write and not complete:  # a writer gone mid-write never commits
+                self.pool.abandon(grant)
+        if write:  # after end_transfer: the writer commits as soon as it has this
+            await ep.send(np.ones(1, dtype=np.int64))  # every byte is in the pool
+        return True
+
+    async def _recv_range(self, ep, op: int) -> tuple[int, int] | None:
+        """``(offset, length)`` of each slot the transfer moves: the whole row for OP_WRITE and OP_READ,
+        the client's ``[offset, length]`` message for the ranged ops; None when that is not inside a block."""
+        block_bytes = self.buffer.shape[1]
+        if op not in RANGED:
+            return 0, block_bytes
+        span = np.zeros(2, dtype=np.int64)  # zeros: a shorter message reads as length 0, refused
+        await ep.recv(span)
+        offset, length = int(span[0]), int(span[1])
+        return (offset, length) if _range_inside(offset, length, block_bytes) else None
+
+    def _runs(self, slots: list[int]) -> list[np.ndarray]:
+        """Whole rows, one message per run of consecutive slots (``slot_runs``)."""
+        return [self.buffer[slots[i] : slots[i] + k].reshape(-1) for i, k in slot_runs(slots, self.buffer.shape[1])]
+
+    def _rows(self, slots: list[int], span: tuple[int, int]) -> list[np.ndarray]:
+        """Each slot's ``(offset, length)`` slice of its row, one message each: slices of consecutive rows
+        are not adjacent (a row's other bytes lie between), so no run is one message."""
+        offset, length = span
+        return [self.buffer[s, offset : offset + length] for s in slots]
 
     async def _serve_write(self, ep, rows: list[np.ndarray]) -> None:
         async def window(a: int, b: int) -> None:
@@ -255,6 +317,24 @@ async def _close(ep) -> None:
         pass
 
 
+async def _send_windowed(ep, messages: list[np.ndarray]) -> None:
+    """A write's body: each window sent once the store has posted its receives (its ack), then the
+    store's final ack (every byte is in the pool)."""
+    ack = np.zeros(1, dtype=np.int64)
+
+    async def window(a: int, b: int) -> None:
+        await ep.recv(ack)  # the store has posted this window's receives
+        await asyncio.gather(*(ep.send(x) for x in messages[a:b]))
+
+    await _windowed(len(messages), window)
+    await ep.recv(ack)
+
+
+async def _recv_windowed(ep, targets: list[np.ndarray]) -> None:
+    """A read's body: one receive per message, ``WINDOW`` posted at a time."""
+    await _windowed(len(targets), lambda a, b: asyncio.gather(*(ep.recv(x) for x in targets[a:b])))
+
+
 class DataPlaneClient:
     """A worker's endpoints to store nodes, one per data address, opened on first use."""
 
@@ -278,8 +358,10 @@ class DataPlaneClient:
             await self._endpoint(address)
 
     @contextlib.asynccontextmanager
-    async def _transfer(self, address: str, op: int, token: bytes, slots: list[int]) -> AsyncIterator[object]:
-        """One transfer on the node's endpoint: the header sent, the endpoint yielded for the body.
+    async def _transfer(self, address: str, op: int, token: bytes, slots: list[int],
+                        byte_range: tuple[int, int] | None = None) -> AsyncIterator[object]:
+        """One transfer on the node's endpoint: the header sent (and ``byte_range`` for the ranged ops),
+        the endpoint yielded for the body.
 
         A write starts once the store accepted it; a read posts its receives at once (the store's
         answer is matched first, the blocks follow it). A refusal raises TransferRefusedError, any
@@ -293,8 +375,10 @@ class DataPlaneClient:
             try:
                 await ep.send(header)
                 await ep.send(np.asarray(slots, dtype=np.int64))
+                if byte_range is not None:
+                    await ep.send(np.asarray(byte_range, dtype=np.int64))
                 answer = asyncio.ensure_future(ep.recv(status))
-                if op == OP_WRITE:
+                if op in WRITES:
                     await answer
                     if status[0] != ACCEPTED:
                         raise TransferRefusedError(_refusal(address, status))
@@ -309,10 +393,20 @@ class DataPlaneClient:
                     raise TransferRefusedError(_refusal(address, status)) from exc
                 raise ConnectionError(f"UCX transfer with {address} failed: {exc}") from exc
 
-    async def write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
+    async def write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray],
+                    byte_range: tuple[int, int] | None = None) -> None:
         """Send ``blocks`` into ``slots`` of the node at ``address`` under ``token`` (its Reserve's);
-        returns once they are in its pool."""
-        await _on_ucx_loop(self._write(address, token, slots, blocks))
+        returns once they are in its pool.
+
+        With ``byte_range=(offset, length)`` only bytes ``[offset, offset + length)`` of each slot are
+        written (a tensor-parallel rank's heads), each of ``blocks`` being a contiguous 1-D uint8 array of
+        ``length`` bytes (ValueError otherwise); the rest of each slot is left as it is.
+        """
+        if byte_range is None:
+            await _on_ucx_loop(self._write(address, token, slots, blocks))
+            return
+        _check_slices(blocks, slots, byte_range)
+        await _on_ucx_loop(self._write_range(address, token, slots, blocks, byte_range))
 
     async def _write(self, address: str, token: bytes, slots: list[int], blocks: list[np.ndarray]) -> None:
         messages = []
@@ -321,19 +415,27 @@ class DataPlaneClient:
             joined = _joined(run)
             messages.append(joined if joined is not None else np.concatenate(run))
         async with self._transfer(address, OP_WRITE, token, slots) as ep:
-            ack = np.zeros(1, dtype=np.int64)
+            await _send_windowed(ep, messages)
 
-            async def window(a: int, b: int) -> None:
-                await ep.recv(ack)  # the store has posted this window's receives
-                await asyncio.gather(*(ep.send(x) for x in messages[a:b]))
+    async def _write_range(self, address: str, token: bytes, slots: list[int], slices: list[np.ndarray],
+                           byte_range: tuple[int, int]) -> None:
+        async with self._transfer(address, OP_WRITE_RANGE, token, slots, byte_range) as ep:
+            await _send_windowed(ep, slices)  # one message per slot, straight from the caller's arrays
 
-            await _windowed(len(messages), window)
-            await ep.recv(ack)
-
-    async def read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
+    async def read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray],
+                   byte_range: tuple[int, int] | None = None) -> None:
         """Fill ``out`` (contiguous uint8 arrays of one block each) from ``slots`` of the node, under
-        ``token`` (the lease token of that node's Lookup)."""
-        await _on_ucx_loop(self._read(address, token, slots, out))
+        ``token`` (the lease token of that node's Lookup).
+
+        With ``byte_range=(offset, length)`` only bytes ``[offset, offset + length)`` of each slot are
+        read, each of ``out`` being a contiguous 1-D uint8 array of ``length`` bytes (ValueError
+        otherwise), received into directly.
+        """
+        if byte_range is None:
+            await _on_ucx_loop(self._read(address, token, slots, out))
+            return
+        _check_slices(out, slots, byte_range)
+        await _on_ucx_loop(self._read_range(address, token, slots, out, byte_range))
 
     async def _read(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray]) -> None:
         targets = []  # where each run's message lands: the caller's rows when back to back, else a buffer
@@ -346,12 +448,17 @@ class DataPlaneClient:
                 scattered.append((target, rows))
             targets.append(target)
         async with self._transfer(address, OP_READ, token, slots) as ep:
-            await _windowed(len(targets), lambda a, b: asyncio.gather(*(ep.recv(x) for x in targets[a:b])))
+            await _recv_windowed(ep, targets)
         for target, rows in scattered:
             at = 0
             for o in rows:
                 o[:] = target[at : at + o.nbytes]
                 at += o.nbytes
+
+    async def _read_range(self, address: str, token: bytes, slots: list[int], out: list[np.ndarray],
+                          byte_range: tuple[int, int]) -> None:
+        async with self._transfer(address, OP_READ_RANGE, token, slots, byte_range) as ep:
+            await _recv_windowed(ep, out)  # one message per slot, straight into the caller's arrays
 
     async def close(self) -> None:
         await _on_ucx_loop(self._close_all())

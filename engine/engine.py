@@ -76,6 +76,8 @@ class Engine:
         if kv_connector is not None:
             self.staging = self._staging_pool()
             kv_connector.use_staging(self.staging)
+            if kv_connector.rank_agent is not None and config.tensor_parallel_size > 1:
+                kv_connector.use_ranks(self.runner.start_transfer_agents(kv_connector.rank_agent))
         self.stats = EngineStats(prefix_cache=self.kv.stats)
         self._loads: dict[str, KVLoad] = {}
         self._ids = itertools.count()
@@ -122,6 +124,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any; the engine is unusable after."""
+        if self.connector is not None:
+            self.connector.flush()  # pushes in flight may be the ranks' own: they finish before the ranks stop
         self.runner.shutdown()
         if self.staging is not None:
             self.staging.close()
@@ -333,6 +337,7 @@ class Engine:
             except ValueError as exc:
                 result.error = str(exc)
         if result.error is not None:
+            log.warning("request %s: its KV load failed, recomputing instead: %s", r.request_id, result.error)
             self.stats.kv_load_failures += 1
             r.num_saved_blocks = 0  # the store lacks them after all: a producer pushes what it recomputes
             self.scheduler.requeue_for_recompute(r)

@@ -50,8 +50,28 @@ class LoadResult:
     release: Callable[[], None] | None = None  # gives ``data``'s staging rows back, once it is in the cache
 
 
+@dataclass(frozen=True, slots=True)
+class RankSlice:
+    """One tensor-parallel rank's part of every block in the wire layout: its KV heads, one contiguous
+    byte range (``engine.kv_blocks``), and where its transfer agent listens."""
+
+    rank: int
+    first_kv_head: int
+    num_kv_heads: int
+    owns_kv: bool  # writes its heads out (with replicated KV heads, one replica of each does)
+    agent: str  # the agent's Unix socket; "" for rank 0, whose transfers run in the connector's process
+
+
 class KVConnector:
     """The engine's side of the seam, called from the engine thread between steps."""
+
+    # A connector whose transfers each tensor-parallel rank runs itself names the module its ranks load
+    # as their transfer agent (``module:function``, see ``use_ranks``); None: rank 0 moves whole blocks.
+    rank_agent: str | None = None
+
+    def use_ranks(self, slices: list[RankSlice]) -> None:
+        """The engine's ranks, once each runs the ``rank_agent`` beside its shard: from then on a push or a
+        pull through the staging pool moves each rank's heads over that rank's own endpoint."""
 
     def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
                     release: Callable[[], None] | None = None) -> None:
@@ -70,6 +90,9 @@ class KVConnector:
 
     def request_finished(self, request: Request) -> None:
         """Default: nothing to release."""
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every push so far is done (the engine closes after, and its ranks may send them)."""
 
 
 @runtime_checkable

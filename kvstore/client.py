@@ -24,6 +24,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -54,6 +55,21 @@ class PullResult:
     in_place: int = 0  # of ``blocks``, those copied out of a pool mapped here (the rest came over the data plane)
 
 
+class SliceTransfers(Protocol):
+    """A tensor-parallel worker's transfers: each rank moves its own KV heads' byte range of every block
+    between the store and rows of the worker's shared staging pool, over its own data-plane endpoint
+    (``kvstore.rank_slices``). Rows are numbers of the staging pool's rows."""
+
+    block_bytes: int
+
+    async def read(self, address: str, token: bytes, slots: list[int], rows: list[int],
+                   expected: list[list[int]]) -> list[bool]:
+        """Whether each block's heads matched ``expected`` (every head's checksum, per block)."""
+
+    async def write(self, address: str, token: bytes, slots: list[int], rows: list[int]) -> list[list[int]]:
+        """Every head's checksum, per block, as the ranks that own them wrote them."""
+
+
 def checksum(block: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(block)
 
@@ -62,8 +78,15 @@ def _partial_pb(ref: PartialRef) -> pb.PartialRef:
     return pb.PartialRef(request_id=ref.request_id, index=ref.index)
 
 
-def _commit_block(slot: int, ref: BlockRef, block: np.ndarray) -> pb.CommitBlock:
-    common = dict(slot=slot, length=block.nbytes, checksum=checksum(block))
+def head_checksums(data: np.ndarray, heads: int) -> list[int]:
+    """The checksum of each of ``heads`` equal byte ranges of ``data`` (one block, or a rank's slice of one)."""
+    size = data.nbytes // heads
+    return [checksum(data[h * size : (h + 1) * size]) for h in range(heads)]
+
+
+def _commit_block(slot: int, ref: BlockRef, length: int, heads: list[int], whole: int = 0) -> pb.CommitBlock:
+    """With head checksums and no whole one, the store computes the whole one (see ``Commit``)."""
+    common = dict(slot=slot, length=length, checksum=whole, head_checksums=heads)
     if isinstance(ref, bytes):
         return pb.CommitBlock(key=ref, **common)
     return pb.CommitBlock(partial=_partial_pb(ref), **common)
@@ -78,6 +101,7 @@ class KVStoreClient:
         self.data = DataPlaneClient()
         self.mappings = PoolMappings(shared_memory_enabled() if shared_memory is None else shared_memory)
         self.last_data_address = ""
+        self.data_address = ""  # this node's data plane, once connected
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.KVStoreStub]] = {}  # other nodes, by gRPC address
 
     async def connect(self, timeout: float = 10.0) -> None:
@@ -86,6 +110,7 @@ class KVStoreClient:
         res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=1), timeout=timeout)
         try:
             await self.data.connect(res.data_address)
+            self.data_address = res.data_address
         finally:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
         found = await self.stub.Lookup(pb.LookupRequest(map_pool=self.mappings.wants_map(self.address)),
@@ -93,10 +118,12 @@ class KVStoreClient:
         await self.mappings.region_for(self.address, found.pool_id, found.pool_map)  # and map the pool, if it can
 
     async def push(self, blocks: Sequence[tuple[BlockRef, np.ndarray]], timeout: float = 30.0,
-                   metadata: Sequence[tuple[str, str]] | None = None) -> int:
+                   metadata: Sequence[tuple[str, str]] | None = None, heads: int = 0) -> int:
         """Store blocks (contiguous uint8 arrays of one block each); how many were new to the store.
 
         ``metadata`` goes with the control-plane calls (a trace context, so the store's spans join it).
+        ``heads``: commit a checksum per KV head (the block split into that many equal ranges) instead of
+        one for the whole block, so that tensor-parallel readers can check the heads they read alone.
         """
         if not blocks:
             return 0
@@ -111,22 +138,47 @@ class KVStoreClient:
         except (ConnectionError, PermissionError):
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
             raise
-        commit = [_commit_block(s, k, a) for s, (k, _), a in zip(res.slots, blocks, arrays, strict=True)]
+        commit = [_commit_block(s, k, a.nbytes, head_checksums(a, heads)) if heads else
+                  _commit_block(s, k, a.nbytes, [], checksum(a))
+                  for s, (k, _), a in zip(res.slots, blocks, arrays, strict=True)]
         done = await self.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=commit),
                                       timeout=timeout, metadata=metadata)
         self.last_data_address = res.data_address
         self.mappings.expire()  # a writer that seldom reads must not keep a dead store's pool mapped either
         return done.committed
 
+    async def push_slices(self, refs: Sequence[BlockRef], rows: list[int], slices: SliceTransfers,
+                          timeout: float = 30.0, metadata: Sequence[tuple[str, str]] | None = None) -> int:
+        """Store blocks that lie in staging ``rows`` of a tensor-parallel worker, each rank writing its own
+        heads (``slices``); committed with the head checksums the ranks computed. New blocks, as ``push``."""
+        if not refs:
+            return 0
+        res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=len(refs)), timeout=timeout, metadata=metadata)
+        try:
+            if res.block_bytes != slices.block_bytes:
+                raise ValueError(f"blocks of {slices.block_bytes} bytes; this store holds blocks of "
+                                 f"{res.block_bytes} bytes")
+            heads = await slices.write(res.data_address, res.token, list(res.slots), rows)
+        except BaseException:
+            await _cancel(self.stub, res.reservation_id, timeout)
+            raise
+        commit = [_commit_block(s, ref, res.block_bytes, h) for s, ref, h in zip(res.slots, refs, heads, strict=True)]
+        done = await self.stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, blocks=commit),
+                                      timeout=timeout, metadata=metadata)
+        self.last_data_address = res.data_address
+        return done.committed
+
     async def pull(
         self, keys: Sequence[bytes], partials: Sequence[PartialRef] = (), timeout: float = 30.0,
         metadata: Sequence[tuple[str, str]] | None = None, out: Sequence[np.ndarray] | None = None,
+        slices: SliceTransfers | None = None, rows: list[int] | None = None,
     ) -> PullResult:
         """The longest stored prefix of ``keys`` (then ``partials``, if every key was found).
 
         ``out``: where the blocks go (contiguous uint8 arrays of one block each, one per key and
         partial, e.g. rows of a staging buffer or views of a cache); the result's blocks are views of
-        them. Without it, fresh arrays.
+        them. Without it, fresh arrays. With ``slices``, ``out`` is the staging pool's ``rows`` and every
+        rank reads its own heads into them (checked against the holder's head checksums).
         """
         if out is not None and len(out) < len(keys) + len(partials):
             raise ValueError(f"{len(out)} destination blocks for {len(keys) + len(partials)} blocks asked for")
@@ -142,7 +194,10 @@ class KVStoreClient:
             out = _destinations(locations, out)
             grants = {found.node_id: await self._grant(self.address, found)}  # node id -> how its blocks are read
             locations = await self._lease_elsewhere(locations, found.node_id, grants, remote, timeout, metadata)
-            verified, mapped = await self._read(locations, grants, out)
+            if slices is not None:
+                verified, mapped = await _read_slices(locations, grants, slices, rows), [False] * len(locations)
+            else:
+                verified, mapped = await self._read(locations, grants, out)
         finally:
             await asyncio.gather(*(_release(stub, lease, timeout, metadata) for stub, lease in remote))
             if found.lease_id:
@@ -290,6 +345,29 @@ async def _copy_mapped(region: MappedRegion, locations: list[pb.BlockLocation], 
     if threads == 0:
         return copy(idx)
     return all(await asyncio.gather(*(asyncio.to_thread(copy, idx[k::threads]) for k in range(threads))))
+
+
+async def _read_slices(locations: list[pb.BlockLocation], grants: dict[str, ReadGrant], slices: SliceTransfers,
+                       rows: list[int]) -> list[bool]:
+    """Every rank reads its heads of the blocks at ``locations`` into ``rows``, one transfer per node and
+    rank; a block not a whole row, or without head checksums (its writer committed none), reads as a miss."""
+    verified = [False] * len(locations)
+    by_node: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for i, loc in enumerate(locations):
+        if loc.length == slices.block_bytes and loc.head_checksums:
+            by_node[loc.node_id, loc.data_address].append(i)
+    for (node, address), idx in by_node.items():
+        token = grants[node].token if node in grants else b""
+        ok = await slices.read(address, token, [locations[i].slot for i in idx], [rows[i] for i in idx],
+                               [list(locations[i].head_checksums) for i in idx])
+        for i, good in zip(idx, ok, strict=True):
+            verified[i] = good
+    return verified
+
+
+async def _cancel(stub: pb_grpc.KVStoreStub, reservation_id: int, timeout: float) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await stub.Release(pb.ReleaseRequest(reservation_id=reservation_id), timeout=timeout)
 
 
 async def _release(stub: pb_grpc.KVStoreStub, lease_id: int, timeout: float,

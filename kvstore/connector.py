@@ -29,18 +29,26 @@ from common.metrics import transfer_metrics
 from engine.config import EngineConfig
 from engine.kv_blocks import BlockRef, PartialRef, wire_block_shape
 from engine.kv_staging import Staged, StagingPool
-from engine.kv_transfer import KVConnector, LoadResult, block_ref
+from engine.kv_transfer import KVConnector, LoadResult, RankSlice, block_ref
 from engine.request import Request
 from kvstore.client import KVStoreClient
+from kvstore.rank_slices import RankSlices
 
 log = logging.getLogger("tandem.kvstore.connector")
 
 
 class KVStoreConnector(KVConnector):
-    """Both sides of the seam: ``KVConnector`` for the engine, ``KVConnectorWorkerSide`` for the worker."""
+    """Both sides of the seam: ``KVConnector`` for the engine, ``KVConnectorWorkerSide`` for the worker.
+
+    At tensor-parallel degree > 1 every rank moves its own heads of each block (``use_ranks``).
+    """
+
+    rank_agent = "kvstore.rank_agent:start"
 
     def __init__(self, address: str, config: EngineConfig) -> None:
         self.block_shape = wire_block_shape(config.model_config, config.block_size)
+        self.heads = config.model_config.num_kv_heads  # every block is committed with a checksum per head
+        self.ranks: RankSlices | None = None
         self.dtype = config.torch_dtype
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
@@ -86,12 +94,29 @@ class KVStoreConnector(KVConnector):
     def use_staging(self, pool: StagingPool) -> None:
         self.staging = pool
 
+    def use_ranks(self, slices: list[RankSlice]) -> None:
+        """Pushes from and pulls into the staging pool go rank by rank from now on (each its own heads,
+        over its own endpoint); a transfer that does not fit the pool still moves whole blocks here."""
+        if self.staging is None or len(slices) < 2:
+            return
+        self.ranks = RankSlices(self.client.data, self.staging, slices, self.heads)
+        if self.client.data_address:
+            try:
+                self._call(self.ranks.connect(self.client.data_address)).result(15)
+            except Exception as exc:  # the first transfer connects instead
+                log.warning("the ranks could not open the data plane to the store yet: %s", exc)
+
     def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
                     release: Callable[[], None] | None = None) -> None:
-        blocks = [(ref, _as_bytes(data[i])) for i, ref in enumerate(refs)]
-        fut = self._call(self._push(blocks, first_block, self._trace_of(request.request_id)))
+        row = self.staging.row_of(data) if self.ranks is not None and release is not None else None
+        ctx = self._trace_of(request.request_id)
+        if row is not None:  # the ranks wrote their heads into these rows: each sends its own
+            fut = self._call(self._push_slices(refs, list(range(row, row + len(refs))), first_block, ctx))
+        else:
+            blocks = [(ref, _as_bytes(data[i])) for i, ref in enumerate(refs)]
+            fut = self._call(self._push(blocks, first_block, ctx))
         with self._lock:
-            self._saves[fut] = (request.request_id, len(blocks))
+            self._saves[fut] = (request.request_id, len(refs))
             if release is not None:
                 self._releases[fut] = release
         fut.add_done_callback(self._saved)
@@ -101,11 +126,26 @@ class KVStoreConnector(KVConnector):
         with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(blocks), "tandem.kv.bytes": nbytes,
                                                          "tandem.kv.first_block": first_block}) as span:
             start = time.perf_counter()
-            committed = await self.client.push(blocks, metadata=telemetry.outgoing(telemetry.context_of(span)))
+            committed = await self.client.push(blocks, metadata=telemetry.outgoing(telemetry.context_of(span)),
+                                               heads=self.heads)
             seconds = time.perf_counter() - start
             span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address))
             span.set_attribute("tandem.kv.committed", committed)
         self.metrics.observe("push", len(blocks), nbytes, seconds)
+        return committed
+
+    async def _push_slices(self, refs: list, rows: list[int], first_block: int, ctx: Any) -> int:
+        nbytes = len(rows) * self.ranks.block_bytes
+        with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(rows), "tandem.kv.bytes": nbytes,
+                                                         "tandem.kv.first_block": first_block,
+                                                         "tandem.kv.ranks": len(self.ranks.owners)}) as span:
+            start = time.perf_counter()
+            committed = await self.client.push_slices(refs, rows, self.ranks,
+                                                      metadata=telemetry.outgoing(telemetry.context_of(span)))
+            seconds = time.perf_counter() - start
+            span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address, "ucx-ranks"))
+            span.set_attribute("tandem.kv.committed", committed)
+        self.metrics.observe("push", len(rows), nbytes, seconds)
         return committed
 
     def _saved(self, fut: Future) -> None:
@@ -251,12 +291,15 @@ class KVStoreConnector(KVConnector):
         # The blocks land here, once: lent rows of the engine's staging pool, or a fresh buffer.
         staging = staged.tensor if staged is not None else torch.empty((n, *self.block_shape), dtype=self.dtype)
         rows = list(staging.view(n, -1).view(torch.uint8).numpy())
+        by_rank = self.ranks if staged is not None else None  # each rank reads its heads into the rows
         start = time.perf_counter()
         pulled = await self.client.pull(keys, partials, metadata=telemetry.outgoing(telemetry.context_of(span)),
-                                        out=rows)
+                                        out=rows, slices=by_rank,
+                                        rows=None if staged is None else list(range(staged.start, staged.start + n)))
         seconds = time.perf_counter() - start
         nbytes = sum(b.nbytes for b in pulled.blocks)
-        span.set_attributes(_transfer_attributes(nbytes, seconds, "", "ucx-shm" if pulled.in_place else "ucx"))
+        transport = "ucx-ranks" if by_rank is not None else "ucx-shm" if pulled.in_place else "ucx"
+        span.set_attributes(_transfer_attributes(nbytes, seconds, "", transport))
         self.metrics.observe("pull", len(pulled.blocks), nbytes, seconds)
         if len(pulled.blocks) < n:
             return LoadResult(request_id, None, f"{n - len(pulled.blocks)} of {n} blocks are not in the store")
@@ -269,6 +312,7 @@ class KVStoreConnector(KVConnector):
 
     def close(self) -> None:
         self.flush()
+        self.ranks = None  # lets go of the staging pool's shared memory
         self._call(self.client.close()).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

@@ -24,8 +24,10 @@ import math
 import os
 import pickle
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +40,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.kv_blocks import wire_block_shape
 from engine.kv_staging import StagingPool
+from engine.kv_transfer import RankSlice
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
@@ -47,7 +50,7 @@ from engine.step_inputs import StepInputs
 
 log = logging.getLogger("tandem.engine.tp")
 
-OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP, OP_PING = range(6)
+OP_STEP, OP_IMPORT, OP_EXPORT, OP_NOOP, OP_STOP, OP_PING, OP_AGENT = range(7)
 IN_STAGING, IN_POOL = 0, 1  # where an import's or export's blocks are: the executor's buffer, or the engine's pool
 TIMEOUT_S = 60.0  # a collective that takes longer means a rank is stuck: the engine is dead
 KEEPALIVE_S = 5.0  # an idle rank 0 sends a no-op this often, so idle ranks never time out
@@ -65,6 +68,7 @@ class TPExecutor:
         self._lock = threading.Lock()
         self._shm_prefix = f"tandem-tp-{os.getpid()}-{id(self):x}"
         self._staging = Staging(self._shm_prefix)
+        self._agent_dir = tempfile.mkdtemp(prefix="tandem-tp-agents-")  # the ranks' transfer agents' sockets
         self.pool: StagingPool | None = None
         self.in_place_transfers = 0  # imports and exports that went through the pool with no copy on rank 0
         self._last_send = time.monotonic()
@@ -181,6 +185,20 @@ class TPExecutor:
                 return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
             return out.copy_(shared)
 
+    def start_transfer_agents(self, name: str) -> list[RankSlice]:
+        """Every other rank loads ``name`` (``module:function``, the connector's ``rank_agent``) and starts it
+        beside its shard, listening on a socket of its own; every rank's slice of a block, and its socket."""
+        encoded = name.encode()
+        with self._collective("starting the KV transfer agents"):
+            self.group.send([OP_AGENT, len(encoded), *_words(encoded)])
+            self.group.barrier()  # every agent listens
+        slices = []
+        for rank in range(self.size):
+            s = TPShard.of(self.config.model_config, rank, self.size)
+            slices.append(RankSlice(rank, s.first_kv_head, s.num_kv_heads, s.owns_kv,
+                                    agent_socket(self._agent_dir, rank) if rank else ""))
+        return slices
+
     def ping(self, times: int, numel: int) -> float:
         """Seconds per all-reduce of ``numel`` float32 values with no compute around it: the collective's
         own latency, which a step's communication time also counts waiting for the slowest rank on top of."""
@@ -205,12 +223,14 @@ class TPExecutor:
                 pass
         self._kill()
         self._staging.close()
+        shutil.rmtree(self._agent_dir, ignore_errors=True)
 
     # --- internals
 
     def _spawn(self, rank: int) -> subprocess.Popen:
         job = pickle.dumps({"config": self.config, "rank": rank, "size": self.size, "port": self.store.port,
-                            "shm_prefix": self._shm_prefix, "pool_name": self.pool_name, "parent": os.getpid()})
+                            "shm_prefix": self._shm_prefix, "pool_name": self.pool_name, "parent": os.getpid(),
+                            "agent_dir": self._agent_dir})
         proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE)
         proc.stdin.write(job)
@@ -316,6 +336,20 @@ class _Collective:
 
 
 DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def agent_socket(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank}.sock")
+
+
+def _words(data: bytes) -> list[int]:
+    """Bytes as int64 words for a broadcast (zero-padded; the receiver is told the length)."""
+    padded = data.ljust(-(-len(data) // 8) * 8, b"\0")
+    return [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+
+
+def from_words(words: list[int], length: int) -> bytes:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)[:length]
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -7,6 +7,7 @@ collective fails (rank 0 died), or when its parent process is gone.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.executor import (
     DTYPE_CODES,
     IN_POOL,
+    OP_AGENT,
     OP_EXPORT,
     OP_IMPORT,
     OP_NOOP,
@@ -32,6 +34,8 @@ from engine.parallel.executor import (
     OP_STEP,
     OP_STOP,
     TIMEOUT_S,
+    agent_socket,
+    from_words,
 )
 from engine.parallel.group import RankGroup
 from engine.parallel.shard import TPShard
@@ -54,15 +58,16 @@ def main() -> int:
     group = RankGroup(rank, size, store, runner.device, TIMEOUT_S)
     runner.model.reduce = group.all_reduce
     try:
-        serve(runner, group, job["shm_prefix"], job["pool_name"])
+        serve(runner, group, job["shm_prefix"], job["pool_name"], job["agent_dir"])
     except Exception as exc:  # rank 0 is gone (or a bug): nothing more to do here
         log.error("leaving: %r", exc)
         return 1
     return 0
 
 
-def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str, pool_name: str) -> None:
+def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str, pool_name: str, agent_dir: str) -> None:
     buffers = _Buffers(Attached(shm_prefix), Attached(pool_name, numbered=False))
+    stop_agent = None
     try:
         while True:
             words = group.receive()
@@ -77,11 +82,18 @@ def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str, pool_name: str
                 t = torch.zeros(args[1], device=runner.device)
                 for _ in range(args[0]):
                     group.all_reduce(t)
+            elif op == OP_AGENT:
+                try:
+                    stop_agent = _start_agent(runner, buffers, from_words(args[1:], args[0]).decode(), agent_dir)
+                finally:
+                    group.barrier()
             elif op == OP_STOP:
                 return
             elif op != OP_NOOP:
                 raise RuntimeError(f"unknown operation {op} from rank 0")
     finally:
+        if stop_agent is not None:
+            stop_agent()
         buffers.staging.close()
         buffers.pool.close()
 
@@ -89,6 +101,17 @@ def serve(runner: ModelRunner, group: RankGroup, shm_prefix: str, pool_name: str
 class _Buffers(NamedTuple):
     staging: Attached  # rank 0's own buffer, by number
     pool: Attached  # the engine's staging pool: blocks the connector pulls or pushes, in place
+
+
+def _start_agent(runner: ModelRunner, buffers: _Buffers, name: str, agent_dir: str):
+    """Load the connector's transfer agent by name and start it on this rank's slice of the staging pool;
+    its stop function. A rank that cannot start it fails like any rank: the worker dies cleanly."""
+    module, function = name.split(":")
+    start = getattr(importlib.import_module(module), function)
+    mc, s = runner.config.model_config, runner.shard
+    block_bytes = math.prod(wire_block_shape(mc, runner.block_size)) * runner.config.torch_dtype.itemsize
+    return start(socket_path=agent_socket(agent_dir, s.rank), pool=buffers.pool.get(0), block_bytes=block_bytes,
+                 first_kv_head=s.first_kv_head, num_kv_heads=s.num_kv_heads, total_kv_heads=mc.num_kv_heads)
 
 
 def _blocks(runner: ModelRunner, buffers: _Buffers, where: int, at: int, dtype: torch.dtype, n: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ costs its page faults every time, 8x the copy itself at 256 blocks of SmolLM2 on
 
 from __future__ import annotations
 
+import contextlib
 from multiprocessing import resource_tracker, shared_memory
 
 
@@ -56,5 +57,6 @@ class Attached:
 
     def close(self) -> None:
         if self.shm is not None:
-            self.shm.close()
+            with contextlib.suppress(BufferError):  # a view (the transfer agent's) is still alive: unmapped at exit
+                self.shm.close()
             self.shm = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import math
 import os
 import shutil
 import signal
@@ -18,9 +19,11 @@ import grpc
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineConfig, RequestOptions, SamplingParams
 from engine.errors import EngineDeadError
+from engine.kv_blocks import wire_block_shape
 from engine.kv_transfer import LocalKVTransfer
+from kvstore.connector import KVStoreConnector
 from protos import common_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -35,6 +38,7 @@ from tests.e2e.pipeline import (
     wait_until,
     worker_stats,
 )
+from tests.e2e.test_kvstore import StoreNode
 
 MAX_TOKENS = 40
 LONG = 300  # tokens of the streams a rank dies under: long enough to be cut mid-stream
@@ -150,6 +154,69 @@ def test_a_dead_rank_kills_the_engine_and_leaves_nothing_behind(tiny4):
     with pytest.raises(EngineDeadError):
         e2.step()
     e2.close()
+    assert wait_until(lambda: not rank_processes(), 10)
+
+
+def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4_reference):
+    """A producer at TP=2 pushes every block as two halves, one per rank, over each rank's own endpoint; a
+    consumer at TP=2 pulls them the same way, and one at TP=1 pulls whole blocks (checked against the whole
+    checksum the store computed from the halves): both continue exactly as TP=1 alone."""
+    mc = EngineConfig(str(tiny4)).model_config
+    block_bytes = math.prod(wire_block_shape(mc, 16)) * 4
+    store = StoreNode("--capacity-gb", repr(256 * block_bytes / 2**30), block_bytes=block_bytes)
+    params = greedy()
+    engines = []
+
+    def handed(prompt: list[int], first: int) -> RequestOptions:  # what a decode worker gets from a handoff
+        return RequestOptions(output_token_ids=[first], num_external_tokens=len(prompt))
+
+    def make(tp: int, role: str) -> Engine:
+        cfg = EngineConfig(str(tiny4), role=role, kv_cache_gb=0.05, num_threads=1, tensor_parallel_size=tp,
+                           max_num_batched_tokens=32)
+        engines.append(Engine(cfg, KVStoreConnector(store.grpc, cfg)))
+        return engines[-1]
+
+    def produce(tag: str) -> dict[str, int]:
+        """The first tokens; the blocks pushed (a partial block is kept under its request until pulled once)."""
+        firsts = {}
+        for i, p in enumerate(PROMPTS):
+            producer.add_request(p, params, request_id=f"{tag}{i}")
+        while producer.has_unfinished():
+            for out in producer.step():
+                firsts[out.request_id] = out.new_token_ids[0]
+        producer.connector.flush()
+        return firsts
+
+    try:
+        producer = make(2, "producer")
+        firsts = produce("a")
+        saved = producer.stats.kv_blocks_saved * block_bytes
+        assert producer.connector.ranks.bytes_by_rank == {0: {"read": 0, "write": saved // 2},
+                                                         1: {"read": 0, "write": saved // 2}}
+        for tp, tag in ((2, "a"), (1, "b")):
+            if tag == "b":
+                firsts = produce(tag)
+            consumer = make(tp, "consumer")
+            outs = {}
+            for i, p in enumerate(PROMPTS):
+                rid = f"{tag}{i}"
+                outs[consumer.add_request(p, params, rid, handed(p, firsts[rid]))] = [firsts[rid]]
+            while consumer.has_unfinished():
+                for out in consumer.step():
+                    outs[out.request_id] += out.new_token_ids
+            assert list(outs.values()) == tiny4_reference, f"consumer at TP={tp}"
+            assert consumer.stats.kv_load_failures == 0 and consumer.stats.prompt_tokens_computed == 0
+            loaded = consumer.stats.kv_blocks_loaded * block_bytes
+            if tp == 2:
+                assert consumer.connector.ranks.bytes_by_rank == {0: {"read": loaded // 2, "write": 0},
+                                                                 1: {"read": loaded // 2, "write": 0}}
+            else:
+                assert consumer.connector.ranks is None
+    finally:
+        for e in engines:
+            e.close()
+            e.connector.close()
+        store.kill()
     assert wait_until(lambda: not rank_processes(), 10)
 
 

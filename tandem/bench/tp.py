@@ -4,7 +4,9 @@ rank moves of a KV block.
 On one CPU host this is a correctness-scale figure: the ranks share the same cores and memory, so
 TP=2 is not expected to be faster than TP=1 here; what it shows is the all-reduce and broadcast time
 per step (rank 0's view: time inside collectives, waiting for the slower rank included) and its share
-of the step, and that a rank reads only its heads' byte range of each block.
+of the step, and that a rank reads only its heads' byte range of each block: in the engine's import, and
+over the network in a real pull from a kvstore node, where every rank reads its own heads over its own
+UCX endpoint (``kvstore.rank_agent``) and the bytes each one moved are counted.
 
 Without ``--model`` it runs dummy weights of SmolLM2-135M's geometry with 8 heads and 4 KV heads (the
 real model's 9 heads and 3 KV heads split 3 ways, not 2).
@@ -13,6 +15,7 @@ real model's 9 heads and 3 KV heads split 3 ways, not 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -84,9 +87,71 @@ def measure(config, batches: list[int], steps: int, kv_blocks: int) -> dict:
             hidden = engine.model_config.hidden_size
             out["allreduce_us"] = {b: 1e6 * engine.runner.ping(200, b * hidden) for b in batches}
         out["kv"] = kv_import(engine, kv_blocks)
-        return out
     finally:
         engine.close()
+    out["store"] = store_pull(config, kv_blocks)
+    return out
+
+
+def store_pull(config, n: int) -> dict:
+    """A decode worker's load of ``n`` blocks from a real kvstore node (pull + import, the request's
+    ``kv_load`` time), and the bytes each rank moved over the network against the whole blocks."""
+    import asyncio
+
+    from engine import Engine, RequestOptions, SamplingParams
+    from engine.kv_blocks import wire_block_bytes
+    from kvstore.connector import KVStoreConnector
+    from tandem.bench.kv import _spawn
+
+    mc, bs = config.model_config, config.block_size
+    block = wire_block_bytes(mc, bs, torch.empty((), dtype=config.torch_dtype).element_size())
+    store, line = _spawn(["-m", "kvstore.server", "--block-bytes", str(block), "--capacity-gb",
+                          repr(2.5 * n * block / 2**30)], "KVSTORE READY")
+    address = line.split("grpc=")[1].split()[0]
+    rng = random.Random(n)
+    cfg = dataclasses.replace(config, role="consumer")
+    engine = None
+    try:
+        keys = [asyncio.run(_fill(address, n, block, mc.num_kv_heads, seed)) for seed in (1, 2)]
+        engine = Engine(cfg, KVStoreConnector(address, cfg))
+        ranks = engine.connector.ranks
+        loads = []
+        for k in keys:  # the first warms the path; the second is timed
+            before = {r: dict(v) for r, v in ranks.bytes_by_rank.items()} if ranks else {}
+            prompt = [rng.randrange(mc.vocab_size) for _ in range(n * bs + 1)]
+            options = RequestOptions(output_token_ids=[], num_external_tokens=n * bs, block_hashes=k)
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), options=options)
+            times = None
+            while engine.has_unfinished():
+                times = next((o.times for o in engine.step() if o.request_id == rid and o.times), times)
+            loads.append((times.kv_load if times else float("nan"), before))
+        seconds, before = loads[-1]
+        moved = {r: v["read"] - before[r]["read"] for r, v in ranks.bytes_by_rank.items()} if ranks else {0: n * block}
+        return {"blocks": n, "load_ms": 1e3 * seconds, "whole_bytes": n * block,
+                "failures": engine.stats.kv_load_failures, "bytes_by_rank": moved,
+                "rank_share": {r: b / (n * block) for r, b in moved.items()}}
+    finally:
+        if engine is not None:
+            engine.close()
+            engine.connector.close()
+        store.terminate()
+        store.wait(10)
+
+
+async def _fill(address: str, n: int, block: int, heads: int, seed: int) -> list[bytes]:
+    """``n`` random blocks under random keys, as a prefill worker's push leaves them."""
+    import numpy as np
+
+    from kvstore.client import KVStoreClient
+
+    client = KVStoreClient(address)  # its channel belongs to this loop
+    rng = np.random.default_rng(seed)
+    blocks = [(rng.bytes(32), rng.integers(0, 256, block, dtype=np.uint8)) for _ in range(n)]
+    try:
+        await client.push(blocks, heads=heads)
+    finally:
+        await client.close()
+    return [k for k, _ in blocks]
 
 
 def decode_steps(engine, batch: int, steps: int) -> dict:
@@ -161,6 +226,14 @@ def format_table(results: dict) -> str:
         k = results[tp]["kv"]
         lines.append(f"| {tp} | {k['blocks']} | {k['import_ms']:.1f} | {k['block_bytes']} | "
                      f"{k['rank_bytes_per_block']} | {k['rank_share_of_block']:.0%} |")
+    lines += ["", "| TP | load from a kvstore node | ms (pull + import) | failed | each rank moved over UCX |",
+              "|---:|---:|---:|---:|---|"]
+    for tp in degrees:
+        st = results[tp]["store"]
+        each = ", ".join(f"rank {r}: {b / 2**20:.1f} MiB ({st['rank_share'][r]:.0%})"
+                         for r, b in st["bytes_by_rank"].items())
+        lines.append(f"| {tp} | {st['blocks']} blocks, {st['whole_bytes'] / 2**20:.1f} MiB | {st['load_ms']:.1f} | "
+                     f"{st['failures']} | {each} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ KV blocks cross between the connector and the ranks through shared memory: the e
 export every rank writes its heads straight into their byte range of the rows (the wire layout puts a
 rank's heads in one contiguous range); for an import every rank copies its range out of them. Blocks
 outside the pool (a transfer larger than it) go through a shared buffer of the executor's, which rank 0
-fills with the whole blocks first, or copies them out of.
+fills with the whole blocks first, or copies them out of. The network hop between the pool and the store
+is each rank's own too, when the connector names a transfer agent (``start_transfer_agents``): every
+rank loads it by name beside its shard, and rank 0's connector asks it to move the rank's heads.
 
 A rank that dies (or a collective that fails) makes the engine dead: every call raises
 ``EngineDeadError`` from then on, and ``on_dead`` callbacks run once (the worker exits and the gateway
@@ -190,7 +192,7 @@ class TPExecutor:
         beside its shard, listening on a socket of its own; every rank's slice of a block, and its socket."""
         encoded = name.encode()
         with self._collective("starting the KV transfer agents"):
-            self.group.send([OP_AGENT, len(encoded), *_words(encoded)])
+            self.group.send([OP_AGENT, len(encoded), *to_words(encoded)])
             self.group.barrier()  # every agent listens
         slices = []
         for rank in range(self.size):
@@ -342,7 +344,7 @@ def agent_socket(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}.sock")
 
 
-def _words(data: bytes) -> list[int]:
+def to_words(data: bytes) -> list[int]:
     """Bytes as int64 words for a broadcast (zero-padded; the receiver is told the length)."""
     padded = data.ljust(-(-len(data) // 8) * 8, b"\0")
     return [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]

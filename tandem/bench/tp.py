@@ -104,6 +104,7 @@ def store_pull(config, n: int) -> dict:
     from tandem.bench.kv import _spawn
 
     mc, bs = config.model_config, config.block_size
+    n = min(n, (config.max_model_len - 1) // bs)  # one request's prompt: within the model's length
     block = wire_block_bytes(mc, bs, torch.empty((), dtype=config.torch_dtype).element_size())
     store, line = _spawn(["-m", "kvstore.server", "--block-bytes", str(block), "--capacity-gb",
                           repr(2.5 * n * block / 2**30)], "KVSTORE READY")
@@ -226,7 +227,7 @@ def format_table(results: dict) -> str:
         k = results[tp]["kv"]
         lines.append(f"| {tp} | {k['blocks']} | {k['import_ms']:.1f} | {k['block_bytes']} | "
                      f"{k['rank_bytes_per_block']} | {k['rank_share_of_block']:.0%} |")
-    lines += ["", "| TP | load from a kvstore node | ms (pull + import) | failed | each rank moved over UCX |",
+    lines += ["", "| TP | load from a kvstore node | ms (pull + import) | failed | each rank moved |",
               "|---:|---:|---:|---:|---|"]
     for tp in degrees:
         st = results[tp]["store"]

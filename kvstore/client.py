@@ -42,10 +42,20 @@ from protos import kvstore_pb2_grpc as pb_grpc
 @dataclass(slots=True)
 class ReadGrant:
     """How a pull reads one node's blocks: its lease token for the data plane, and the node's pool if
-    it is mapped here."""
+    it is mapped here (with the descriptor that maps it, for other processes of this host)."""
 
     token: bytes
     region: MappedRegion | None
+    pool: PoolDescriptor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDescriptor:
+    """What another process on this host needs to map a node's pool itself (``kvstore.pool_mappings``)."""
+
+    address: str  # the node's gRPC address: names the mapping
+    pool_id: bytes
+    pool_map: bytes
 
 
 @dataclass(slots=True)
@@ -63,8 +73,9 @@ class SliceTransfers(Protocol):
     block_bytes: int
 
     async def read(self, address: str, token: bytes, slots: list[int], rows: list[int],
-                   expected: list[list[int]]) -> list[bool]:
-        """Whether each block's heads matched ``expected`` (every head's checksum, per block)."""
+                   expected: list[list[int]], pool: PoolDescriptor | None = None) -> list[bool]:
+        """Whether each block's heads matched ``expected`` (every head's checksum, per block). ``pool``: the
+        node's pool is on this host (mapped by the caller): the ranks copy their heads out of it in place."""
 
     async def write(self, address: str, token: bytes, slots: list[int], rows: list[int]) -> list[list[int]]:
         """Every head's checksum, per block, as the ranks that own them wrote them."""
@@ -103,6 +114,7 @@ class KVStoreClient:
         self.last_data_address = ""
         self.data_address = ""  # this node's data plane, once connected
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.KVStoreStub]] = {}  # other nodes, by gRPC address
+        self._pool_maps: dict[str, PoolDescriptor] = {}  # pools mapped here, by node address: ranks map them too
 
     async def connect(self, timeout: float = 10.0) -> None:
         """Open the UCX endpoint to this node and map its pool now: each takes hundreds of milliseconds,
@@ -115,7 +127,7 @@ class KVStoreClient:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
         found = await self.stub.Lookup(pb.LookupRequest(map_pool=self.mappings.wants_map(self.address)),
                                        timeout=timeout)
-        await self.mappings.region_for(self.address, found.pool_id, found.pool_map)  # and map the pool, if it can
+        await self._region(self.address, found)  # and map the pool, if it can
 
     async def push(self, blocks: Sequence[tuple[BlockRef, np.ndarray]], timeout: float = 30.0,
                    metadata: Sequence[tuple[str, str]] | None = None, heads: int = 0) -> int:
@@ -207,8 +219,17 @@ class KVStoreClient:
         blocks = [out[i][: locations[i].length] for i in range(n)]
         return PullResult(blocks, len(keys) + len(partials) - n, sum(mapped[:n]))
 
+    async def _region(self, address: str, found: pb.LookupResponse) -> MappedRegion | None:
+        """The node's pool mapped here, if it can be (see ``PoolMappings.region_for``)."""
+        if found.pool_map:  # sent once per pool (``wants_map``): kept for the processes that map it after us
+            self._pool_maps[address] = PoolDescriptor(address, found.pool_id, found.pool_map)
+        return await self.mappings.region_for(address, found.pool_id, found.pool_map)
+
     async def _grant(self, address: str, found: pb.LookupResponse) -> ReadGrant:
-        return ReadGrant(found.lease_token, await self.mappings.region_for(address, found.pool_id, found.pool_map))
+        region = await self._region(address, found)
+        pool = self._pool_maps.get(address)
+        usable = region is not None and pool is not None and pool.pool_id == found.pool_id
+        return ReadGrant(found.lease_token, region, pool if usable else None)
 
     async def _lease_elsewhere(
         self, locations: list[pb.BlockLocation], here: str, grants: dict[str, ReadGrant],
@@ -357,9 +378,9 @@ async def _read_slices(locations: list[pb.BlockLocation], grants: dict[str, Read
         if loc.length == slices.block_bytes and loc.head_checksums:
             by_node[loc.node_id, loc.data_address].append(i)
     for (node, address), idx in by_node.items():
-        token = grants[node].token if node in grants else b""
-        ok = await slices.read(address, token, [locations[i].slot for i in idx], [rows[i] for i in idx],
-                               [list(locations[i].head_checksums) for i in idx])
+        grant = grants.get(node, ReadGrant(b"", None))
+        ok = await slices.read(address, grant.token, [locations[i].slot for i in idx], [rows[i] for i in idx],
+                               [list(locations[i].head_checksums) for i in idx], grant.pool)
         for i, good in zip(idx, ok, strict=True):
             verified[i] = good
     return verified

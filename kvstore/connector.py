@@ -99,7 +99,7 @@ class KVStoreConnector(KVConnector):
         over its own endpoint); a transfer that does not fit the pool still moves whole blocks here."""
         if self.staging is None or len(slices) < 2:
             return
-        self.ranks = RankSlices(self.client.data, self.staging, slices, self.heads)
+        self.ranks = RankSlices(self.client.data, self.staging, slices, self.heads, self.client.mappings)
         if self.client.data_address:
             try:
                 self._call(self.ranks.connect(self.client.data_address)).result(15)

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client import head_checksums
+from kvstore.client import PoolDescriptor, head_checksums
 from kvstore.data_plane import DataPlaneClient
+from kvstore.pool_mappings import PoolMappings
 
 log = logging.getLogger("tandem.kvstore.rank_agent")
 
@@ -37,28 +38,60 @@ class SliceMover:
     """One rank's transfers: its byte range of blocks, between store slots and rows of the staging pool."""
 
     def __init__(self, data: DataPlaneClient, rows: np.ndarray, first_kv_head: int, num_kv_heads: int,
-                 total_kv_heads: int) -> None:
-        """``rows``: the staging pool as uint8 ``[capacity, block_bytes]``."""
+                 total_kv_heads: int, mappings: PoolMappings | None = None) -> None:
+        """``rows``: the staging pool as uint8 ``[capacity, block_bytes]``; ``mappings``: of store pools on this
+        host, for in-place reads (a fresh set, unless the process already keeps one)."""
         self.data, self.rows = data, rows
+        self.mappings = mappings if mappings is not None else PoolMappings()
         head_bytes = rows.shape[1] // total_kv_heads
         self.first, self.num, self.total = first_kv_head, num_kv_heads, total_kv_heads
         self.byte_range = (first_kv_head * head_bytes, num_kv_heads * head_bytes)
         self.bytes_read = 0
         self.bytes_written = 0
+        self.in_place = 0  # blocks copied out of a mapped pool rather than transferred
 
     def _views(self, rows: list[int]) -> list[np.ndarray]:
         offset, length = self.byte_range
         return [self.rows[r, offset : offset + length] for r in rows]
 
     async def read(self, address: str, token: bytes, slots: list[int], rows: list[int],
-                   expected: list[list[int]]) -> list[bool]:
-        """Whether each block's heads here matched their checksums in ``expected`` (all heads, per block)."""
+                   expected: list[list[int]], pool: PoolDescriptor | None = None) -> list[bool]:
+        """Whether each block's heads here matched their checksums in ``expected`` (all heads, per block).
+
+        ``pool``: the store's pool is on this host: the heads are copied out of it in place, as a whole-block
+        reader does (``kvstore.client``), rather than transferred; a pool that cannot be mapped after all
+        falls back to the data plane.
+        """
         views = self._views(rows)
-        await self.data.read(address, token, slots, views, byte_range=self.byte_range)
+        self.mappings.expire()
+        if not await self._copy_mapped(pool, slots, views):
+            await self.data.read(address, token, slots, views, byte_range=self.byte_range)
         self.bytes_read += sum(v.nbytes for v in views)
         mine = slice(self.first, self.first + self.num)
         return [len(e) == self.total and head_checksums(v, self.num) == list(e[mine])
                 for v, e in zip(views, expected, strict=True)]
+
+    async def _copy_mapped(self, pool: PoolDescriptor | None, slots: list[int], views: list[np.ndarray]) -> bool:
+        if pool is None:
+            return False
+        region = await self.mappings.region_for(pool.address, pool.pool_id, pool.pool_map)
+        if region is None:
+            return False
+        offset, length = self.byte_range
+
+        def copy() -> bool:  # numpy lets go of the GIL: the loop goes on serving other transfers meanwhile
+            with region.reading() as usable:
+                blocks = [region.block(slot, offset + length) for slot in slots] if usable else [None]
+                if any(b is None for b in blocks):
+                    return False
+                for view, block in zip(views, blocks, strict=True):
+                    np.copyto(view, block[offset:])
+                return True
+
+        if not await asyncio.to_thread(copy):
+            return False
+        self.in_place += len(slots)
+        return True
 
     async def write(self, address: str, token: bytes, slots: list[int], rows: list[int]) -> list[list[int]]:
         """The checksums of this rank's heads, per block, as written."""
@@ -90,6 +123,7 @@ def start(socket_path: str, pool: memoryview, block_bytes: int, first_kv_head: i
         server.close()
         with contextlib.suppress(Exception):
             await mover.data.close()
+        mover.mappings.close()
 
     def stop() -> None:
         with contextlib.suppress(Exception):
@@ -123,9 +157,21 @@ async def _answer(mover: SliceMover, req: dict[str, Any]) -> dict[str, Any]:
         return {}
     token = bytes.fromhex(req["token"])
     if op == "read":
-        return {"ok": await mover.read(req["address"], token, req["slots"], req["rows"], req["expected"]),
-                "bytes": mover.bytes_read}
+        return {"ok": await mover.read(req["address"], token, req["slots"], req["rows"], req["expected"],
+                                       pool_of(req)),
+                "bytes": mover.bytes_read, "in_place": mover.in_place}
     if op == "write":
         return {"checksums": await mover.write(req["address"], token, req["slots"], req["rows"]),
                 "bytes": mover.bytes_written}
     raise ValueError(f"unknown request {op!r}")
+
+
+def pool_json(pool: PoolDescriptor) -> dict[str, str]:
+    return {"address": pool.address, "id": pool.pool_id.hex(), "map": pool.pool_map.hex()}
+
+
+def pool_of(request: dict[str, Any]) -> PoolDescriptor | None:
+    """The store pool a read request says is on this host, if any."""
+    pool = request.get("pool")
+    return None if pool is None else PoolDescriptor(pool["address"], bytes.fromhex(pool["id"]),
+                                                    bytes.fromhex(pool["map"]))

@@ -19,8 +19,10 @@ import torch
 
 from engine.kv_staging import StagingPool
 from engine.kv_transfer import RankSlice
+from kvstore.client import PoolDescriptor
 from kvstore.data_plane import DataPlaneClient
-from kvstore.rank_agent import LINE_LIMIT, SliceMover
+from kvstore.pool_mappings import PoolMappings
+from kvstore.rank_agent import LINE_LIMIT, SliceMover, pool_json, pool_of
 
 
 class RankAgentError(ConnectionError):
@@ -30,23 +32,28 @@ class RankAgentError(ConnectionError):
 class RankSlices:
     """``kvstore.client.SliceTransfers`` over a worker's ranks."""
 
-    def __init__(self, data: DataPlaneClient, pool: StagingPool, slices: list[RankSlice], total_kv_heads: int) -> None:
+    def __init__(self, data: DataPlaneClient, pool: StagingPool, slices: list[RankSlice], total_kv_heads: int,
+                 mappings: PoolMappings | None = None) -> None:
+        """``mappings``: rank 0's client's, so that rank 0 reads a mapped pool through the same mapping."""
         rows = pool.buffer.view(pool.capacity, -1).view(torch.uint8).numpy()
         self.block_bytes = rows.shape[1]
         self.total = total_kv_heads
         self.owners = [s for s in slices if s.owns_kv]
         first = slices[0]
-        self.local = SliceMover(data, rows, first.first_kv_head, first.num_kv_heads, total_kv_heads)
+        self.local = SliceMover(data, rows, first.first_kv_head, first.num_kv_heads, total_kv_heads, mappings)
         self.bytes_by_rank: dict[int, dict[str, int]] = {s.rank: {"read": 0, "write": 0} for s in self.owners}
+        self.in_place_by_rank: dict[int, int] = {s.rank: 0 for s in self.owners}  # blocks read out of a mapped pool
 
     async def connect(self, address: str) -> None:
         """Open every agent's endpoint to the store now, not on the first request's time to first token."""
         await asyncio.gather(*(self._ask(s, {"op": "connect", "address": address}) for s in self.owners if s.agent))
 
     async def read(self, address: str, token: bytes, slots: list[int], rows: list[int],
-                   expected: list[list[int]]) -> list[bool]:
+                   expected: list[list[int]], pool: PoolDescriptor | None = None) -> list[bool]:
         request = {"op": "read", "address": address, "token": token.hex(), "slots": slots, "rows": rows,
                    "expected": expected}
+        if pool is not None:  # on this host: every rank maps it once and copies its heads out in place
+            request["pool"] = pool_json(pool)
         answers = await asyncio.gather(*(self._each(s, request) for s in self.owners))
         return [all(oks) for oks in zip(*(a["ok"] for a in answers), strict=True)]
 
@@ -68,11 +75,14 @@ class RankSlices:
             local, token = self.local, bytes.fromhex(request["token"])
             if op == "read":
                 answer = {"ok": await local.read(request["address"], token, request["slots"], request["rows"],
-                                                 request["expected"]), "bytes": local.bytes_read}
+                                                 request["expected"], pool_of(request)),
+                          "bytes": local.bytes_read, "in_place": local.in_place}
             else:
                 answer = {"checksums": await local.write(request["address"], token, request["slots"],
                                                          request["rows"]), "bytes": local.bytes_written}
         self.bytes_by_rank[s.rank][op] = answer["bytes"]
+        if "in_place" in answer:
+            self.in_place_by_rank[s.rank] = answer["in_place"]
         return answer
 
     async def _ask(self, s: RankSlice, request: dict[str, Any]) -> dict[str, Any]:

@@ -157,10 +157,15 @@ def test_a_dead_rank_kills_the_engine_and_leaves_nothing_behind(tiny4):
     assert wait_until(lambda: not rank_processes(), 10)
 
 
-def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4_reference):
+@pytest.mark.parametrize("shared_memory", ["1", "0"], ids=["mapped-pool", "ucx-transfers"])
+def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4_reference, monkeypatch,
+                                                                    shared_memory):
     """A producer at TP=2 pushes every block as two halves, one per rank, over each rank's own endpoint; a
-    consumer at TP=2 pulls them the same way, and one at TP=1 pulls whole blocks (checked against the whole
-    checksum the store computed from the halves): both continue exactly as TP=1 alone."""
+    consumer at TP=2 pulls them the same way (each rank copying its half out of the store's pool in place
+    when the pool is mapped on this host, else over its endpoint), and one at TP=1 pulls whole blocks
+    (checked against the whole checksum the store computed from the halves): both continue exactly as TP=1
+    alone."""
+    monkeypatch.setenv("TANDEM_KV_SHARED_MEMORY", shared_memory)
     mc = EngineConfig(str(tiny4)).model_config
     block_bytes = math.prod(wire_block_shape(mc, 16)) * 4
     store = StoreNode("--capacity-gb", repr(256 * block_bytes / 2**30), block_bytes=block_bytes)
@@ -208,8 +213,11 @@ def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4
             assert consumer.stats.kv_load_failures == 0 and consumer.stats.prompt_tokens_computed == 0
             loaded = consumer.stats.kv_blocks_loaded * block_bytes
             if tp == 2:
-                assert consumer.connector.ranks.bytes_by_rank == {0: {"read": loaded // 2, "write": 0},
-                                                                 1: {"read": loaded // 2, "write": 0}}
+                ranks = consumer.connector.ranks
+                assert ranks.bytes_by_rank == {0: {"read": loaded // 2, "write": 0},
+                                               1: {"read": loaded // 2, "write": 0}}
+                in_place = consumer.stats.kv_blocks_loaded if shared_memory == "1" else 0
+                assert ranks.in_place_by_rank == {0: in_place, 1: in_place}
             else:
                 assert consumer.connector.ranks is None
     finally:

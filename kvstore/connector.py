@@ -50,6 +50,7 @@ class KVStoreConnector(KVConnector):
         self.heads = config.model_config.num_kv_heads  # every block is committed with a checksum per head
         self.ranks: RankSlices | None = None
         self.dtype = config.torch_dtype
+        self._in_flight: set[Future] = set()  # every task run on the loop, held until done (see ``_call``)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
         self._thread.start()
@@ -77,7 +78,13 @@ class KVStoreConnector(KVConnector):
         return KVStoreClient(address)  # its gRPC channel belongs to this loop
 
     def _call(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Run ``coro`` on the connector's loop. The future is kept until done: a loop holds its tasks only
+        weakly, and a task awaiting something only weakly held itself (a Unix-socket read, whose reader its
+        protocol keeps by weak reference) is a garbage cycle, collected mid-await unless someone holds it."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._in_flight.add(fut)
+        fut.add_done_callback(self._in_flight.discard)
+        return fut
 
     def trace(self, request_id: str, ctx: Any | None) -> None:
         """The trace context of a request's transfers (None: forget it)."""

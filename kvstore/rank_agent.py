@@ -146,6 +146,8 @@ async def _serve(mover: SliceMover, reader: asyncio.StreamReader, writer: asynci
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
+    except ConnectionError:  # rank 0 hung up (its process is going): nobody wants the answer
+        pass
     finally:
         writer.close()
 

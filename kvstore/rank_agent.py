@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +27,6 @@ import numpy as np
 from kvstore.client import PoolDescriptor, head_checksums
 from kvstore.data_plane import DataPlaneClient
 from kvstore.pool_mappings import PoolMappings
-
-log = logging.getLogger("tandem.kvstore.rank_agent")
 
 LINE_LIMIT = 64 << 20  # a request names every slot, row and head checksum of a transfer
 

@@ -1,6 +1,7 @@
 """Rank 0's side of a tensor-parallel worker's transfers: every rank that owns KV heads moves its own
-byte range of each block, in parallel, over its own endpoint (rank 0 in process, the others through their
-agents, ``kvstore.rank_agent``); this combines their answers.
+byte range of each block, in parallel, over its own endpoint, or out of the store's pool in place when it
+is mapped on this host (rank 0 in process, the others through their agents, ``kvstore.rank_agent``); this
+combines their answers.
 
 A pull lands each rank's heads in the same staging rows, so the engine's import then finds whole blocks
 there (every rank copies its heads out in place, ``engine.parallel.executor``); a push sends the rows an

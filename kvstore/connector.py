@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -130,29 +130,26 @@ class KVStoreConnector(KVConnector):
 
     async def _push(self, blocks: list[tuple[BlockRef, np.ndarray]], first_block: int, ctx: Any) -> int:
         nbytes = sum(b.nbytes for _, b in blocks)
-        with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(blocks), "tandem.kv.bytes": nbytes,
-                                                         "tandem.kv.first_block": first_block}) as span:
-            start = time.perf_counter()
-            committed = await self.client.push(blocks, metadata=telemetry.outgoing(telemetry.context_of(span)),
-                                               heads=self.heads)
-            seconds = time.perf_counter() - start
-            span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address))
-            span.set_attribute("tandem.kv.committed", committed)
-        self.metrics.observe("push", len(blocks), nbytes, seconds)
-        return committed
+        return await self._traced_push(len(blocks), nbytes, first_block, ctx, "ucx", {},
+                                       lambda md: self.client.push(blocks, metadata=md, heads=self.heads))
 
     async def _push_slices(self, refs: list, rows: list[int], first_block: int, ctx: Any) -> int:
-        nbytes = len(rows) * self.ranks.block_bytes
-        with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": len(rows), "tandem.kv.bytes": nbytes,
-                                                         "tandem.kv.first_block": first_block,
-                                                         "tandem.kv.ranks": len(self.ranks.owners)}) as span:
+        return await self._traced_push(len(rows), len(rows) * self.ranks.block_bytes, first_block, ctx, "ucx-ranks",
+                                       {"tandem.kv.ranks": len(self.ranks.owners)},
+                                       lambda md: self.client.push_slices(refs, rows, self.ranks, metadata=md))
+
+    async def _traced_push(self, n: int, nbytes: int, first_block: int, ctx: Any, transport: str,
+                           attributes: dict[str, Any], send: Callable[[Any], Awaitable[int]]) -> int:
+        """``send(metadata)`` as a ``kv.push`` span of its request's trace (blocks, bytes, GB/s), and in the
+        transfer metrics; how many blocks were new to the store."""
+        with telemetry.span("kv.push", ctx, attributes={"tandem.kv.blocks": n, "tandem.kv.bytes": nbytes,
+                                                         "tandem.kv.first_block": first_block, **attributes}) as span:
             start = time.perf_counter()
-            committed = await self.client.push_slices(refs, rows, self.ranks,
-                                                      metadata=telemetry.outgoing(telemetry.context_of(span)))
+            committed = await send(telemetry.outgoing(telemetry.context_of(span)))
             seconds = time.perf_counter() - start
-            span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address, "ucx-ranks"))
+            span.set_attributes(_transfer_attributes(nbytes, seconds, self.client.last_data_address, transport))
             span.set_attribute("tandem.kv.committed", committed)
-        self.metrics.observe("push", len(rows), nbytes, seconds)
+        self.metrics.observe("push", n, nbytes, seconds)
         return committed
 
     def _saved(self, fut: Future) -> None:
@@ -326,8 +323,8 @@ class KVStoreConnector(KVConnector):
 
 
 def _transfer_attributes(nbytes: int, seconds: float, data_address: str, transport: str = "ucx") -> dict[str, Any]:
-    """``transport``: "ucx" (transfers over the data plane) or "ucx-shm" (read in place from a pool
-    mapped through UCX shared memory)."""
+    """``transport``: "ucx" (transfers over the data plane), "ucx-shm" (read in place from a pool
+    mapped through UCX shared memory) or "ucx-ranks" (each tensor-parallel rank moved its own heads)."""
     attrs = {"tandem.kv.bytes": nbytes, "tandem.kv.seconds": seconds,
              "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0, "tandem.kv.transport": transport}
     if data_address:

@@ -138,7 +138,7 @@ async def _serve(mover: SliceMover, reader: asyncio.StreamReader, writer: asynci
         if not line:
             return
         try:
-            answer = await _answer(mover, json.loads(line))
+            answer = await answer_request(mover, json.loads(line))
         except Exception as exc:  # a failed transfer: rank 0 counts it as a failed push or a miss
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         writer.write(json.dumps(answer).encode() + b"\n")
@@ -149,7 +149,8 @@ async def _serve(mover: SliceMover, reader: asyncio.StreamReader, writer: asynci
         writer.close()
 
 
-async def _answer(mover: SliceMover, req: dict[str, Any]) -> dict[str, Any]:
+async def answer_request(mover: SliceMover, req: dict[str, Any]) -> dict[str, Any]:
+    """One request, as the agent answers it over its socket (rank 0 calls it in process for its own part)."""
     op = req.get("op")
     if op == "connect":
         await mover.data.connect(req["address"])

@@ -23,7 +23,7 @@ from engine.kv_transfer import RankSlice
 from kvstore.client import PoolDescriptor
 from kvstore.data_plane import DataPlaneClient
 from kvstore.pool_mappings import PoolMappings
-from kvstore.rank_agent import LINE_LIMIT, SliceMover, pool_json, pool_of
+from kvstore.rank_agent import LINE_LIMIT, SliceMover, answer_request, pool_json
 
 
 class RankAgentError(ConnectionError):
@@ -69,19 +69,8 @@ class RankSlices:
 
     async def _each(self, s: RankSlice, request: dict[str, Any]) -> dict[str, Any]:
         """One rank's part: in process for rank 0, else through its agent."""
-        op = request["op"]
-        if s.agent:
-            answer = await self._ask(s, request)
-        else:
-            local, token = self.local, bytes.fromhex(request["token"])
-            if op == "read":
-                answer = {"ok": await local.read(request["address"], token, request["slots"], request["rows"],
-                                                 request["expected"], pool_of(request)),
-                          "bytes": local.bytes_read, "in_place": local.in_place}
-            else:
-                answer = {"checksums": await local.write(request["address"], token, request["slots"],
-                                                         request["rows"]), "bytes": local.bytes_written}
-        self.bytes_by_rank[s.rank][op] = answer["bytes"]
+        answer = await (self._ask(s, request) if s.agent else answer_request(self.local, request))
+        self.bytes_by_rank[s.rank][request["op"]] = answer["bytes"]
         if "in_place" in answer:
             self.in_place_by_rank[s.rank] = answer["in_place"]
         return answer

@@ -111,8 +111,7 @@ class KVStoreClient:
         self.stub = pb_grpc.KVStoreStub(self._channel)
         self.data = DataPlaneClient()
         self.mappings = PoolMappings(shared_memory_enabled() if shared_memory is None else shared_memory)
-        self.last_data_address = ""
-        self.data_address = ""  # this node's data plane, once connected
+        self.last_data_address = ""  # the data plane of the node last connected to or written to
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.KVStoreStub]] = {}  # other nodes, by gRPC address
         self._pool_maps: dict[str, PoolDescriptor] = {}  # pools mapped here, by node address: ranks map them too
 
@@ -122,7 +121,7 @@ class KVStoreClient:
         res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=1), timeout=timeout)
         try:
             await self.data.connect(res.data_address)
-            self.data_address = res.data_address
+            self.last_data_address = res.data_address
         finally:
             await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
         found = await self.stub.Lookup(pb.LookupRequest(map_pool=self.mappings.wants_map(self.address)),

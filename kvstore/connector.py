@@ -107,9 +107,9 @@ class KVStoreConnector(KVConnector):
         if self.staging is None or len(slices) < 2:
             return
         self.ranks = RankSlices(self.client.data, self.staging, slices, self.heads, self.client.mappings)
-        if self.client.data_address:
+        if self.client.last_data_address:
             try:
-                self._call(self.ranks.connect(self.client.data_address)).result(15)
+                self._call(self.ranks.connect(self.client.last_data_address)).result(15)
             except Exception as exc:  # the first transfer connects instead
                 log.warning("the ranks could not open the data plane to the store yet: %s", exc)
 

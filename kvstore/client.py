@@ -140,14 +140,13 @@ class KVStoreClient:
             return 0
         arrays = [np.ascontiguousarray(b).reshape(-1) for _, b in blocks]
         res = await self.stub.Reserve(pb.ReserveRequest(num_blocks=len(blocks)), timeout=timeout, metadata=metadata)
-        wrong = [a.nbytes for a in arrays if a.nbytes != res.block_bytes]
-        if wrong:
-            await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
-            raise ValueError(f"blocks of {wrong[0]} bytes; this store holds blocks of {res.block_bytes} bytes")
         try:
+            wrong = [a.nbytes for a in arrays if a.nbytes != res.block_bytes]
+            if wrong:
+                raise ValueError(f"blocks of {wrong[0]} bytes; this store holds blocks of {res.block_bytes} bytes")
             await self.data.write(res.data_address, res.token, list(res.slots), arrays)
-        except (ConnectionError, PermissionError):
-            await self.stub.Release(pb.ReleaseRequest(reservation_id=res.reservation_id), timeout=timeout)
+        except BaseException:  # a failed or cancelled write frees its slots now, not at the reservation's TTL
+            await _cancel(self.stub, res.reservation_id, timeout)
             raise
         commit = [_commit_block(s, k, a.nbytes, head_checksums(a, heads)) if heads else
                   _commit_block(s, k, a.nbytes, [], checksum(a))

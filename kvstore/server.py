@@ -52,6 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", default=env_default("--node-id", None, str))
     p.add_argument("--heartbeat-s", type=float, default=env_default("--heartbeat-s", 2.0))
     p.add_argument("--partial-ttl-s", type=float, default=env_default("--partial-ttl-s", 60.0))
+    p.add_argument("--reserve-ttl-s", type=float, default=env_default("--reserve-ttl-s", 10.0),
+                   help="seconds a writer has from Reserve to Commit; a writer that died frees its slots after this")
+    p.add_argument("--lease-ttl-s", type=float, default=env_default("--lease-ttl-s", 30.0),
+                   help="seconds a reader's lease holds its blocks unless released; a dead reader's ends after this")
     add_metrics_args(p)
     add_tls_args(p)  # the gRPC control plane; the UCX data plane is not encrypted (README, Security)
 
@@ -104,6 +108,7 @@ async def serve(args: argparse.Namespace, tls: ServiceTLS | None = None) -> None
     data = DataPlaneServer(pool)
     data_port = data.start(args.data_port)
     service = KVStoreService(pool, make_index(args.redis_url), node_id, f"{args.host}:{data_port}",
+                             lease_ttl_s=args.lease_ttl_s, reserve_ttl_s=args.reserve_ttl_s,
                              control_address=f"{args.host}:{port}",  # other nodes' readers lease here
                              pool_id=region.pool_id if region else os.urandom(POOL_ID_BYTES),
                              pool_map=region.descriptor if region else b"")

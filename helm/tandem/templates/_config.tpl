@@ -73,6 +73,8 @@ TANDEM_CAPACITY_GB: {{ include "tandem.scalar" $v.capacityGb | quote }}
 TANDEM_BLOCK_BYTES: {{ include "tandem.blockBytes" . | quote }}
 TANDEM_HEARTBEAT_S: {{ include "tandem.scalar" $v.heartbeatS | quote }}
 TANDEM_PARTIAL_TTL_S: {{ include "tandem.scalar" $v.partialTtlS | quote }}
+TANDEM_RESERVE_TTL_S: {{ include "tandem.scalar" $v.reserveTtlS | quote }}
+TANDEM_LEASE_TTL_S: {{ include "tandem.scalar" $v.leaseTtlS | quote }}
 {{- if has (include "tandem.redisSource" .) (list "in-chart" "external") }}
 TANDEM_REDIS_URL: {{ include "tandem.redisUrl" . | quote }}
 {{- end }}

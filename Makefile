@@ -40,12 +40,16 @@ bench: model
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# On a GPU machine with no network: a venv over the machine's own CUDA torch, the project and its
-# dependencies (setuptools included, for the build) from WHEELS (a folder of wheels), then every check of tandem/gpu_check.py as JSON lines
-# (also appended to gpu-check.jsonl).
-GPU_VENV ?= .venv-gpu
+# On a GPU machine with no network: the machine's own python3 and CUDA torch (no venv: a venv over a
+# venv's python would lose its packages), the project from this checkout, and what the machine lacks from
+# WHEELS (a folder of wheels, installed without their pins into GPU_SITE); then every check of
+# tandem/gpu_check.py as JSON lines (also appended to GPU_OUT).
 WHEELS ?= wheels
+GPU_SITE ?= .gpu-site
+GPU_OUT ?= gpu-check.jsonl
 gpu-check:
-	python3 -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links $(WHEELS) -e .
-	$(GPU_VENV)/bin/python -m tandem.gpu_check --device cuda --out gpu-check.jsonl
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)
+	if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \
+		python3 -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(WHEELS)/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+		python3 -m tandem.gpu_check --device cuda --out $(GPU_OUT)

@@ -81,13 +81,27 @@ def probe(device: torch.device, quick: bool, work: Path) -> dict:
     from engine.attention import flash_attn_available
 
     out = {"ok": True, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-           "flash_attn": flash_attn_available()}
+           "flash_attn": flash_attn_available(), **_versions("triton", "transformers", "flash_attn_interface",
+                                                              "flashinfer", "ucxx", "grpc")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out.update(name=props.name, capability=f"{props.major}.{props.minor}",
                    memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
                    nccl=torch.distributed.is_nccl_available())
         out["ok"] = torch.cuda.is_available()
+    return out
+
+
+def _versions(*modules: str) -> dict:
+    """Each module's version, or None where it is not installed."""
+    import importlib
+
+    out = {}
+    for name in modules:
+        try:
+            out[name] = getattr(importlib.import_module(name), "__version__", "present")
+        except Exception:  # missing, or broken on this machine: either way not usable
+            out[name] = None
     return out
 
 
@@ -162,7 +176,10 @@ def kv_handoff(device: torch.device, quick: bool, work: Path) -> dict:
     out = {}
     for producer_device in (device, torch.device("cpu")):
         store = LocalKVTransfer()
-        producer = _engine(path, producer_device, "float32", connector=store, role="producer")
+        # a CPU producer without the compiled CPU kernels: the CPU suite checks those, and building them
+        # here would spend the GPU machine's minutes on a compiler
+        producer = _engine(path, producer_device, "float32", connector=store, role="producer",
+                           cpu_kernels=producer_device.type != "cpu" or device.type == "cpu")
         firsts = producer.generate(prompts, _greedy(10))
         consumer = _engine(path, device, "float32", connector=store, role="consumer")
         options = [RequestOptions(output_token_ids=f, num_external_tokens=len(p))
@@ -215,16 +232,26 @@ def decode_hbm(device: torch.device, quick: bool, work: Path) -> dict:
 
 def tandem_up(device: torch.device, quick: bool, work: Path) -> dict:
     """A disaggregated `tandem up` on this device answers a request through the gateway."""
-    import asyncio
-
-    from protos import common_pb2, gateway_pb2
-    from tandem.client import stream_generate
-    from tandem.launcher import Cluster, ClusterConfig
+    from tandem.launcher import ClusterConfig
 
     path = tiny_checkpoint(work / "llama-up", "llama", tokenizer=True)
     config = ClusterConfig(mode="disaggregated", engine_args=["--model", str(path), "--device", str(device),
                                                               "--kv-cache-gb", "0.25"],
-                           kv_capacity_gb=0.25, log_dir=work / "logs", startup_timeout=240)
+                           kv_capacity_gb=0.25, log_dir=work / "logs", startup_timeout=150)
+    try:
+        tokens = _ask_cluster(config)
+    except Exception as exc:  # the services' last words say why, where the exception alone would not
+        raise RuntimeError(f"{exc!r}; {_log_tails(config.log_dir)}") from exc
+    return {"ok": len(tokens) == 8, "tokens": tokens}
+
+
+def _ask_cluster(config) -> list[int]:
+    import asyncio
+
+    from protos import common_pb2, gateway_pb2
+    from tandem.client import stream_generate
+    from tandem.launcher import Cluster
+
     with Cluster(config) as cluster:
         cluster.wait_healthy(60)
 
@@ -235,8 +262,12 @@ def tandem_up(device: torch.device, quick: bool, work: Path) -> dict:
             return [t async for m in stream_generate(cluster.gateway.address, request, timeout=120)
                     for t in m.token_ids]
 
-        tokens = asyncio.run(ask())
-    return {"ok": len(tokens) == 8, "tokens": tokens}
+        return asyncio.run(ask())
+
+
+def _log_tails(log_dir: Path, lines: int = 6) -> dict[str, str]:
+    return {f.name: "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
+            for f in sorted(Path(log_dir).glob("*")) if f.is_file()}
 
 
 CHECKS: dict[str, Callable[[torch.device, bool, Path], dict]] = {

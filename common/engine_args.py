@@ -44,7 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=env_default("--scheduling-policy", "fcfs"),
                    choices=["fcfs", "priority"], help="priority: lower value first, ties by arrival")
     g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"),
-                   choices=["auto", "cpu", "torch", "sdpa", "flash_attn"])
+                   choices=["auto", "cpu", "torch", "sdpa", "triton", "flash_attn"],
+                   help="auto: the compiled kernel on CPU; on CUDA flash-attn where its 256-token pages fit, else "
+                        "the Triton paged kernel")
     g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
                    default=env_default("--cpu-kernels", True, bool),
                    help="on CPU, the compiled kernels (built once into $TANDEM_HOME/kernels); off: plain torch ops")

@@ -279,17 +279,23 @@ class TorchAttentionBackend(AttentionBackend):
             v = self.gather(kv[1], span.context_blocks)[:, : span.context_len]
         else:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
-        # 4-D inputs: with 3-D ones SDPA takes its slow math path on CPU.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return out[0].transpose(0, 1)
+        return sdpa_prefill(q, k, v, span.mask, self.scale)
+
+
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """One request's prefill queries ``[L, Hq, D]`` against its keys and values ``[Hkv, C, D]``, causal (offset
+    by ``mask`` when earlier context is cached). 4-D inputs: with 3-D ones SDPA takes its slow math path on CPU."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[0],
+    )
+    return out[0].transpose(0, 1)
 
 
 class SdpaAttentionBackend(TorchAttentionBackend):
@@ -332,20 +338,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         return out.view(q.shape[0], self.num_heads, self.head_dim)
 
 
-class FlashAttnBackend(AttentionBackend):
-    """CUDA only: flash-attn's paged KV kernel, cache ``[2, num_blocks, block_size, Hkv, D]``.
-
-    flash-attn 2's paged cache needs pages of a multiple of 256 tokens and fp16/bf16 (``backend_choice``
-    checks them when the engine is built); otherwise ``auto`` picks SDPA.
-    """
-
-    name = "flash_attn"
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
-        from flash_attn import flash_attn_with_kvcache
-
-        self._kernel = flash_attn_with_kvcache
+class TokenMajorBackend(AttentionBackend):
+    """The cache the GPU kernels read, ``[2, num_blocks, block_size, Hkv, D]``: one token's heads are
+    adjacent, so a kernel reads a block's keys for one KV head as rows of one stride."""
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -360,6 +355,51 @@ class FlashAttnBackend(AttentionBackend):
 
     def write_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
         kv.index_copy_(1, block_ids, data.transpose(0, 1))
+
+
+class TritonAttentionBackend(TokenMajorBackend):
+    """CUDA: decode by the Triton paged kernel of ``engine.triton_attention`` at any power-of-two block size
+    (the prefix cache's 16 tokens by default), reading K/V in place through each block table, one group for
+    every decode whatever the lengths; its grid depends only on the table's width, so CUDA graphs replay it.
+    Prefill gathers the request's cached context and runs SDPA (flash or memory-efficient kernels on CUDA):
+    it is compute-bound, and a gather of its context is a small share of it.
+    """
+
+    name = "triton"
+    groups_by_length = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from engine.triton_attention import paged_decode
+
+        self._kernel = paged_decode
+
+    def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        return self._kernel(q, kv[0], kv[1], group.block_table, group.context_lens, self.scale)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        if span.context_blocks is not None:
+            k = kv[0].index_select(0, span.context_blocks).flatten(0, 1)[: span.context_len]
+            v = kv[1].index_select(0, span.context_blocks).flatten(0, 1)[: span.context_len]
+        return sdpa_prefill(q, k.transpose(0, 1), v.transpose(0, 1), span.mask, self.scale)
+
+
+class FlashAttnBackend(TokenMajorBackend):
+    """CUDA only: flash-attn's paged KV kernel.
+
+    flash-attn 2's paged cache needs pages of a multiple of 256 tokens and fp16/bf16 (``backend_choice``
+    checks them when the engine is built); otherwise ``auto`` picks the Triton kernel or SDPA.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from flash_attn import flash_attn_with_kvcache
+
+        self._kernel = flash_attn_with_kvcache
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return self._kernel(q, kv[0], kv[1], cache_seqlens=lens, block_table=table,
@@ -389,33 +429,62 @@ FLASH_ATTN_PAGE = 256  # flash-attn 2's paged KV cache needs pages of a multiple
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def backend_choice(
     name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int, has_cpu_ops: bool,
-    has_flash_attn: bool,
+    has_flash_attn: bool, has_triton: bool = False,
 ) -> str:
     """Which backend ``name`` means on this device, dtype and block size; raises ValueError naming the flag
     to change when an explicit choice cannot run (rather than building and failing every step).
 
     ``auto``: on CPU the compiled kernel when there is one, else torch; on CUDA flash-attn's paged kernel
     when it is installed and can run this cache (fp16/bf16, pages of a multiple of 256 tokens, head_dim
-    <= 256 and a multiple of 8), else SDPA.
+    <= 256 and a multiple of 8), else the Triton paged kernel (power-of-two block size and head_dim; Triton
+    comes with CUDA builds of torch), else SDPA.
     """
     flash_ok, why = _flash_attn_fits(device, dtype, block_size, head_dim, has_flash_attn)
+    triton_ok, triton_why = _triton_fits(device, block_size, head_dim, has_triton)
     if name == "auto":
         if device == "cpu":
             return "cpu" if has_cpu_ops else "torch"
-        return "flash_attn" if flash_ok else ("sdpa" if device == "cuda" else "torch")
+        if device != "cuda":
+            return "torch"
+        return "flash_attn" if flash_ok else "triton" if triton_ok else "sdpa"
     if name == "flash_attn" and not flash_ok:
         raise ValueError(f"--attention-backend flash_attn cannot run here: {why}; use --attention-backend auto")
+    if name == "triton" and not triton_ok:
+        raise ValueError(f"--attention-backend triton cannot run here: {triton_why}; use --attention-backend auto")
     if name == "cpu":
         if device != "cpu":
             raise ValueError("--attention-backend cpu needs --device cpu")
         if not has_cpu_ops:
             raise ValueError("--attention-backend cpu needs the CPU kernels, which are turned off "
                              "(--no-cpu-kernels) or could not be built here")
-    if name not in ("flash_attn", "cpu", "torch", "sdpa"):
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch, sdpa or flash_attn")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return name
+
+
+BACKENDS = ("auto", "cpu", "torch", "sdpa", "triton", "flash_attn")
+
+
+def _triton_fits(device: str, block_size: int, head_dim: int, has_triton: bool) -> tuple[bool, str]:
+    if device != "cuda":
+        return False, "it needs --device cuda"
+    if not has_triton:
+        return False, "the triton package is not installed (CUDA builds of torch bring it)"
+    if block_size & (block_size - 1):  # the kernel's tiles are powers of two
+        return False, f"it needs --block-size a power of two, not {block_size}"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return False, f"it needs a head_dim that is a power of two from 16 to 256, and this model's is {head_dim}"
+    return True, ""
 
 
 def _flash_attn_fits(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
@@ -440,9 +509,12 @@ def select_backend(
     """The backend ``backend_choice`` picks, built."""
     kind = device.type if device.type in ("cpu", "cuda") else "other"
     flash = kind == "cuda" and flash_attn_available()
-    choice = backend_choice(name, kind, dtype, block_size, head_dim, cpu_ops is not None, flash)
+    has_triton = kind == "cuda" and triton_available()
+    choice = backend_choice(name, kind, dtype, block_size, head_dim, cpu_ops is not None, flash, has_triton)
     if choice == "cpu":
         return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, cpu_ops)
+    if choice == "triton":
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     if choice == "flash_attn":
         return FlashAttnBackend(num_heads, num_kv_heads, head_dim, block_size)
     if choice == "sdpa":

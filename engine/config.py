@@ -158,7 +158,7 @@ class EngineConfig:
     # Consumer role: push full blocks of generated tokens to the connector as they fill, so that a
     # request moved to another worker pulls its KV instead of recomputing it.
     push_generated_blocks: bool = False
-    attention_backend: str = "auto"  # "auto", "cpu", "torch", "sdpa", "flash_attn"
+    attention_backend: str = "auto"  # engine.attention.BACKENDS
     cpu_kernels: bool = True  # on CPU, the compiled kernels of engine/csrc when they build here
     kernel_cache_dir: str | None = None  # where they are built and cached (None: ~/.cache/tandem/kernels)
     num_threads: int | None = None

@@ -60,16 +60,23 @@ class ModelRunner:
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's heads of blocks, in the wire layout ``[n, *wire_block_shape(heads)]`` on the CPU,
-        written into ``out`` when given (lent staging rows, or this rank's head range of whole blocks):
-        one copy per layer, no intermediate stack."""
+        written into ``out`` when given (lent staging rows, or this rank's head range of whole blocks).
+
+        On CPU: one copy per layer straight into ``out``. On a GPU the layers are laid out in wire order on
+        the device first, so that the bytes cross the bus in one copy (into pinned staging, at link speed)
+        rather than in a strided copy per layer, each a round trip (5 GB/s on an H200 against 28 one way).
+        """
         mc = self.config.model_config
         shape = (len(block_ids), *wire_block_shape(mc, self.block_size, self.shard.num_kv_heads))
         if out is None:
-            out = torch.empty(shape, dtype=self.config.torch_dtype)
+            out = torch.empty(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        wire = out if self.device.type == "cpu" else torch.empty(shape, dtype=out.dtype, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             # [n, 2, bs, Hkv, D] -> [n, Hkv, 2, bs, D], this layer's column of the wire layout
-            out[:, :, layer].copy_(self.attn.read_blocks(cache, ids).permute(0, 3, 1, 2, 4))
+            wire[:, :, layer].copy_(self.attn.read_blocks(cache, ids).permute(0, 3, 1, 2, 4))
+        if wire is not out:
+            out.copy_(wire)
         return out
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
     ("cpu", BF16, 16, 64, False, False, "torch"),
     ("cuda", BF16, 256, 128, False, True, "flash_attn"),
     ("cuda", F16, 512, 64, False, True, "flash_attn"),
-    ("cuda", BF16, 16, 128, False, True, "sdpa"),  # the prefix cache's 16-token blocks: not a flash-attn page
+    ("cuda", BF16, 16, 128, False, True, "sdpa"),  # 16-token blocks are no flash-attn page, and no Triton here
     ("cuda", F32, 256, 128, False, True, "sdpa"),  # flash-attn rejects float32
     ("cuda", BF16, 256, 96 + 4, False, True, "sdpa"),  # head_dim not a multiple of 8
     ("cuda", BF16, 256, 128, False, False, "sdpa"),  # not installed
@@ -40,6 +40,29 @@ def test_an_explicit_flash_attn_that_cannot_run_is_refused_naming_the_flag(devic
     assert message in str(err.value) and "--attention-backend auto" in str(err.value)
 
 
+@pytest.mark.parametrize("dtype,block,head_dim,flash,want", [
+    (BF16, 16, 128, True, "triton"),  # the prefix cache's blocks: Triton's paged kernel, not SDPA
+    (F32, 16, 64, False, "triton"),  # float32 too
+    (BF16, 256, 128, True, "flash_attn"),  # flash-attn where its pages fit
+    (BF16, 24, 128, False, "sdpa"),  # not a power of two
+    (BF16, 16, 96, False, "sdpa"),  # head_dim not a power of two
+])
+def test_auto_on_cuda_with_triton(dtype, block, head_dim, flash, want):
+    assert backend_choice("auto", "cuda", dtype, block, head_dim, False, flash, has_triton=True) == want
+
+
+@pytest.mark.parametrize("device,block,head_dim,triton,message", [
+    ("cpu", 16, 64, True, "needs --device cuda"),
+    ("cuda", 16, 64, False, "triton package is not installed"),
+    ("cuda", 24, 64, True, "--block-size a power of two, not 24"),
+    ("cuda", 16, 80, True, "power of two from 16 to 256, and this model's is 80"),
+])
+def test_an_explicit_triton_that_cannot_run_is_refused_naming_the_flag(device, block, head_dim, triton, message):
+    with pytest.raises(ValueError, match="--attention-backend triton cannot run here") as err:
+        backend_choice("triton", device, BF16, block, head_dim, False, False, has_triton=triton)
+    assert message in str(err.value)
+
+
 def test_other_explicit_choices():
     assert backend_choice("sdpa", "cuda", BF16, 16, 64, False, True) == "sdpa"
     assert backend_choice("torch", "cpu", F32, 16, 64, True, False) == "torch"
@@ -47,6 +70,7 @@ def test_other_explicit_choices():
         backend_choice("cpu", "cuda", BF16, 16, 64, False, False)
     with pytest.raises(ValueError, match="--no-cpu-kernels"):
         backend_choice("cpu", "cpu", F32, 16, 64, False, False)
+    assert backend_choice("triton", "cuda", F32, 16, 64, False, False, has_triton=True) == "triton"
     with pytest.raises(ValueError, match="unknown attention backend 'paged'"):
         backend_choice("paged", "cpu", F32, 16, 64, True, False)
 

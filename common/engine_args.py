@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "cpu", "torch", "sdpa", "triton", "flash_attn"],
                    help="auto: the compiled kernel on CPU; on CUDA flash-attn where its 256-token pages fit, else "
                         "the Triton paged kernel")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   default=env_default("--cuda-graphs", True, bool),
+                   help="on CUDA, replay decode steps as CUDA graphs (with the triton attention backend)")
     g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
                    default=env_default("--cpu-kernels", True, bool),
                    help="on CPU, the compiled kernels (built once into $TANDEM_HOME/kernels); off: plain torch ops")
@@ -121,6 +124,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         cpu_kernels=args.cpu_kernels,
+        cuda_graphs=args.cuda_graphs,
         kernel_cache_dir=str(kernels_dir()),
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -159,6 +159,7 @@ class EngineConfig:
     # request moved to another worker pulls its KV instead of recomputing it.
     push_generated_blocks: bool = False
     attention_backend: str = "auto"  # engine.attention.BACKENDS
+    cuda_graphs: bool = True  # on CUDA, decode steps replayed as CUDA graphs (engine.cuda_graphs)
     cpu_kernels: bool = True  # on CPU, the compiled kernels of engine/csrc when they build here
     kernel_cache_dir: str | None = None  # where they are built and cached (None: ~/.cache/tandem/kernels)
     num_threads: int | None = None

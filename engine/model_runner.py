@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import build_metadata, select_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import load_cpu_ops, select_kernels
 from engine.kv_blocks import wire_block_bytes, wire_block_shape
 from engine.loader import load_model
@@ -46,10 +47,20 @@ class ModelRunner:
             self.block_size, ops, config.torch_dtype,
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
-        shape = self.attn.cache_shape(self.num_blocks)
+        graphs = self._graphs_wanted(group)
+        # with CUDA graphs, one block more than the scheduler hands out: where padding rows write
+        shape = self.attn.cache_shape(self.num_blocks + int(graphs))
         self.kv_caches = [
             torch.zeros(shape, dtype=config.torch_dtype, device=self.device) for _ in range(mc.num_layers)
         ]
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attn, self.block_size, config.max_model_len,
+                                   config.max_num_seqs, scratch_block=self.num_blocks) if graphs else None
+
+    def _graphs_wanted(self, group: RankGroup | None) -> bool:
+        """CUDA graphs for decode: on CUDA with the Triton kernel (whose grid a fixed table width fixes), and
+        one rank (a tensor-parallel step's all-reduces stay eager)."""
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self.attn.name == "triton"
+                and (group is None or group.size == 1))
 
     @property
     def block_bytes(self) -> int:
@@ -111,10 +122,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass; logits of ``inputs.sample_rows`` (none on a rank without lm_head)."""
-        meta = build_metadata(inputs.spans, self.block_size, self.device, self.attn.groups_by_length)
-        input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
+        if self.graphs is not None and self.graphs.fits(inputs.spans):
+            hidden = self.graphs.run(inputs.ids, inputs.positions, inputs.spans)
+        else:
+            meta = build_metadata(inputs.spans, self.block_size, self.device, self.attn.groups_by_length)
+            input_ids = torch.tensor(inputs.ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+            hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
         head = self.model.lm_head
         if not inputs.sample_rows or head is None:
             rows = self.config.model_config.vocab_size if head is None else head.shape[0]

@@ -11,8 +11,8 @@ attended by its own program, then combined, so that a batch of one still keeps t
 multiprocessors busy. The grid depends only on the block table's width, so a CUDA graph captured at
 a fixed width replays for any lengths up to it.
 
-Where no GPU is, Triton's interpreter runs the same kernels on CPU tensors (the tests do): the
-environment switch must be set before the kernels below are decorated, hence at import.
+Where no GPU is, Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported) runs
+the same kernels on CPU tensors: the tests do (tests/conftest.py sets it).
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLITS = 32  # partitions of one sequence's context, at most
@@ -56,26 +52,26 @@ def _decode_partitions(
     acc = tl.zeros([G_PAD, D], tl.float32)
     end = tl.minimum(s * PART + PART, length)
     t = tl.arange(0, TILE)
-    for i in range(PART // TILE):  # a fixed trip count (the interpreter takes no loaded loop bounds)
-        tok = s * PART + i * TILE + t
-        valid = tok < end
-        block = tl.load(table_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
-        row = block * stride_kb + (tok % BS) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end: alpha 1, p 0, not NaN
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    for i in range(PART // TILE):  # a fixed trip count (the interpreter takes no loaded loop bounds);
+        if s * PART + i * TILE < end:  # tiles past the end cost nothing but this test
+            tok = s * PART + i * TILE + t
+            valid = tok < end
+            block = tl.load(table_ptr + b * stride_tb + tok // BS, mask=valid, other=0).to(tl.int64)
+            row = block * stride_kb + (tok % BS) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))  # finite: a tile this far holds a valid token
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
     at = (b * HQ + heads) * S + s
     tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
     tl.store(max_ptr + at, m, mask=g < G)

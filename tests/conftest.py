@@ -6,6 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Where there is no GPU, Triton's interpreter runs the GPU attention kernels on CPU tensors
+# (tests/unit/test_triton_attention.py). Triton reads the switch when it is first imported, and torch imports
+# it early on its own, so it is set here, before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _save_tiny(path: Path, model_type: str, **overrides) -> Path:

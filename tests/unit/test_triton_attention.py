@@ -9,9 +9,11 @@ import torch
 
 from engine.attention import TorchAttentionBackend, TritonAttentionBackend, build_metadata
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a GPU where there is one
+
 
 def _caches(backends, num_blocks, dtype):
-    return [torch.zeros(b.cache_shape(num_blocks), dtype=dtype) for b in backends]
+    return [torch.zeros(b.cache_shape(num_blocks), dtype=dtype, device=DEVICE) for b in backends]
 
 
 def _step(spans, heads, kv_heads, d, block, dtype, seed=0):
@@ -24,16 +26,19 @@ def _step(spans, heads, kv_heads, d, block, dtype, seed=0):
     earlier = [(0, computed, ids) for computed, _, ids in spans if computed]
     if earlier:
         n = sum(c for _, c, _ in earlier)
-        k, v = torch.randn(n, kv_heads, d, dtype=dtype), torch.randn(n, kv_heads, d, dtype=dtype)
+        k, v = _randn(n, kv_heads, d, dtype=dtype), _randn(n, kv_heads, d, dtype=dtype)
         for backend, cache in zip((ref, tri), caches, strict=True):
-            slots = build_metadata(earlier, block, torch.device("cpu"), False).slot_mapping
+            slots = build_metadata(earlier, block, DEVICE, False).slot_mapping
             backend.write(k, v, cache, slots)
     t = sum(new for _, new, _ in spans)
-    q = torch.randn(t, heads, d, dtype=dtype)
-    k, v = torch.randn(t, kv_heads, d, dtype=dtype), torch.randn(t, kv_heads, d, dtype=dtype)
-    return [backend.forward(q, k, v, cache, build_metadata(spans, block, torch.device("cpu"),
-                                                            backend.groups_by_length))
+    q = _randn(t, heads, d, dtype=dtype)
+    k, v = _randn(t, kv_heads, d, dtype=dtype), _randn(t, kv_heads, d, dtype=dtype)
+    return [backend.forward(q, k, v, cache, build_metadata(spans, block, DEVICE, backend.groups_by_length))
             for backend, cache in zip((ref, tri), caches, strict=True)]
+
+
+def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).to(DEVICE)
 
 
 def _tables(lengths, block, seed=1):
@@ -76,8 +81,8 @@ def test_a_step_of_prefills_after_cached_context_and_decodes_equals_the_torch_ba
 
 def test_blocks_read_and_written_in_the_wire_layout_round_trip():
     tri = TritonAttentionBackend(4, 2, 16, 16)
-    cache = torch.randn(tri.cache_shape(8))
-    ids = torch.tensor([5, 1, 6])
+    cache = torch.randn(tri.cache_shape(8)).to(DEVICE)
+    ids = torch.tensor([5, 1, 6], device=DEVICE)
     wire = tri.read_blocks(cache, ids).clone()  # [n, 2, bs, Hkv, D]
     assert wire.shape == (3, 2, 16, 2, 16)
     other = torch.zeros_like(cache)

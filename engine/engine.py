@@ -475,13 +475,13 @@ class Engine:
         refs = [block_ref(r, i) for i in range(r.num_saved_blocks, end)]
         staged = self.staging.take(len(refs)) if self.staging is not None else None  # None: a fresh tensor
         out, release = (staged.tensor, staged.release) if staged is not None else (None, None)
-        try:
-            data = self.runner.export_blocks(r.block_ids[r.num_saved_blocks : end], out)
+        try:  # on a GPU the copy to the host runs on a side stream, and the connector waits for it
+            data, ready = self.runner.export_blocks_async(r.block_ids[r.num_saved_blocks : end], out)
         except BaseException:
             if release is not None:
                 release()
             raise
-        self.connector.save_blocks(r, r.num_saved_blocks, refs, data, release)
+        self.connector.save_blocks(r, r.num_saved_blocks, refs, data, release, ready)
         self.stats.kv_blocks_saved += end - r.num_saved_blocks
         r.num_saved_blocks = end
 

@@ -74,9 +74,11 @@ class KVConnector:
         pull through the staging pool moves each rank's heads over that rank's own endpoint."""
 
     def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
-                    release: Callable[[], None] | None = None) -> None:
+                    release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None) -> None:
         """``refs[i]`` names block ``first_block + i``, whose bytes are ``data[i]``; ``release`` (when given)
-        must be called once the connector no longer reads ``data`` (its staging rows are lent)."""
+        must be called once the connector no longer reads ``data`` (its staging rows are lent). ``ready``
+        (when given) blocks until ``data`` holds the bytes (a GPU's copy to the host may still be running):
+        call it before reading them, off the engine thread where possible."""
         raise NotImplementedError
 
     def use_staging(self, pool: StagingPool) -> None:
@@ -139,7 +141,9 @@ class LocalKVTransfer(KVConnector):
         self._done: list[LoadResult] = []
 
     def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
-                    release: Callable[[], None] | None = None) -> None:
+                    release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None) -> None:
+        if ready is not None:
+            ready()
         for i, ref in enumerate(refs):
             if isinstance(ref, bytes):
                 self.full[ref] = data[i].clone()

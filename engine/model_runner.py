@@ -75,20 +75,44 @@ class ModelRunner:
 
         On CPU: one copy per layer straight into ``out``. On a GPU the layers are laid out in wire order on
         the device first, so that the bytes cross the bus in one copy (into pinned staging, at link speed)
-        rather than in a strided copy per layer, each a round trip (5 GB/s on an H200 against 28 one way).
+        rather than in a strided copy per layer, each a round trip (5 GB/s on an H200, 39 GB/s as one copy).
         """
+        out, ready = self.export_blocks_async(block_ids, out)
+        if ready is not None:
+            ready()
+        return out
+
+    def export_blocks_async(self, block_ids: list[int], out: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """``export_blocks`` that leaves the engine thread at once on a GPU: the layers are gathered and
+        copied to the host on a side stream, and the second value waits for that copy (a connector calls it
+        on its own thread before reading ``out``; None: ``out`` is ready). The step's stream waits only for
+        the gather, so no later step can overwrite a block before it is read, and none waits for the bus."""
         mc = self.config.model_config
         shape = (len(block_ids), *wire_block_shape(mc, self.block_size, self.shard.num_kv_heads))
         if out is None:
             out = torch.empty(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        wire = out if self.device.type == "cpu" else torch.empty(shape, dtype=out.dtype, device=self.device)
+        if self.device.type != "cuda":
+            self._gather_wire(ids, out)
+            return out, None
+        side = self._copy_stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            wire = torch.empty(shape, dtype=out.dtype, device=self.device)  # this stream's: freed in its order
+            self._gather_wire(ids, wire)
+            gathered = torch.cuda.Event()
+            gathered.record(side)
+            out.copy_(wire, non_blocking=out.is_pinned())
+            copied = torch.cuda.Event()
+            copied.record(side)
+        torch.cuda.current_stream().wait_event(gathered)
+        return out, copied.synchronize
+
+    def _gather_wire(self, ids: torch.Tensor, wire: torch.Tensor) -> None:
         for layer, cache in enumerate(self.kv_caches):
             # [n, 2, bs, Hkv, D] -> [n, Hkv, 2, bs, D], this layer's column of the wire layout
             wire[:, :, layer].copy_(self.attn.read_blocks(cache, ids).permute(0, 3, 1, 2, 4))
-        if wire is not out:
-            out.copy_(wire)
-        return out
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``):

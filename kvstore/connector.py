@@ -114,21 +114,24 @@ class KVStoreConnector(KVConnector):
                 log.warning("the ranks could not open the data plane to the store yet: %s", exc)
 
     def save_blocks(self, request: Request, first_block: int, refs: list[BlockRef], data: torch.Tensor,
-                    release: Callable[[], None] | None = None) -> None:
+                    release: Callable[[], None] | None = None, ready: Callable[[], None] | None = None) -> None:
         row = self.staging.row_of(data) if self.ranks is not None and release is not None else None
         ctx = self._trace_of(request.request_id)
         if row is not None:  # the ranks wrote their heads into these rows: each sends its own
             fut = self._call(self._push_slices(refs, list(range(row, row + len(refs))), first_block, ctx))
         else:
             blocks = [(ref, _as_bytes(data[i])) for i, ref in enumerate(refs)]
-            fut = self._call(self._push(blocks, first_block, ctx))
+            fut = self._call(self._push(blocks, first_block, ctx, ready))
         with self._lock:
             self._saves[fut] = (request.request_id, len(refs))
             if release is not None:
                 self._releases[fut] = release
         fut.add_done_callback(self._saved)
 
-    async def _push(self, blocks: list[tuple[BlockRef, np.ndarray]], first_block: int, ctx: Any) -> int:
+    async def _push(self, blocks: list[tuple[BlockRef, np.ndarray]], first_block: int, ctx: Any,
+                    ready: Callable[[], None] | None = None) -> int:
+        if ready is not None:  # the GPU's copy into these rows, waited for off both the engine and this loop
+            await asyncio.to_thread(ready)
         nbytes = sum(b.nbytes for _, b in blocks)
         return await self._traced_push(len(blocks), nbytes, first_block, ctx, "ucx", {},
                                        lambda md: self.client.push(blocks, metadata=md, heads=self.heads))

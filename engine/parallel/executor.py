@@ -187,6 +187,11 @@ class TPExecutor:
                 return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
             return out.copy_(shared)
 
+    def export_blocks_async(self, block_ids: list[int], out: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """``export_blocks``, done when it returns: every rank's part is in place after the barrier."""
+        return self.export_blocks(block_ids, out), None
+
     def start_transfer_agents(self, name: str) -> list[RankSlice]:
         """Every other rank loads ``name`` (``module:function``, the connector's ``rank_agent``) and starts it
         beside its shard, listening on a socket of its own; every rank's slice of a block, and its socket."""

@@ -25,9 +25,9 @@ class RecordingTransfer(LocalKVTransfer):
         self.saves: list[tuple[str, int, int]] = []
         self.loads: list[tuple[str, int, int]] = []
 
-    def save_blocks(self, request, first_block, refs, data, release=None):
+    def save_blocks(self, request, first_block, refs, data, release=None, ready=None):
         self.saves.append((request.request_id, first_block, len(refs)))
-        super().save_blocks(request, first_block, refs, data, release)
+        super().save_blocks(request, first_block, refs, data, release, ready)
 
     def start_load(self, request, first_block, num_blocks):
         self.loads.append((request.request_id, first_block, num_blocks))

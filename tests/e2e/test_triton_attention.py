@@ -1,6 +1,7 @@
 """The GPU's Triton paged-attention backend against the portable torch backend, on CPU tensors through
 Triton's interpreter: the same kernels and the same index arithmetic a GPU runs (block tables, split
-partitions and their combination, the cache's strides), at the prefix cache's 16-token blocks and others."""
+partitions and their combination, the cache's strides), at the prefix cache's 16-token blocks and others. On a
+GPU the kernels compile (Triton runs ptxas and a C compiler), which is why these live beside the process tests."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Decode steps replayed as CUDA graphs give the eager engine's tokens: batches padded up to a capture size
 (3 -> 4, 5 -> 8), requests of different lengths, greedy and seeded sampling. Needs a GPU; the GPU check runs
-it too, and its device-independent parts (the Triton kernel, under Triton's interpreter) run everywhere."""
+it too, and its device-independent parts (the Triton kernel, under Triton's interpreter) run everywhere. Here, not
+in tests/unit, because Triton starts processes (ptxas, a C compiler) to build its kernels."""
 
 from __future__ import annotations
 

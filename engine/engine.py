@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -333,7 +334,10 @@ class Engine:
         if result.data is not None:
             try:
                 ids = r.block_ids[load.first_block : load.first_block + load.num_blocks]
-                self.runner.import_blocks(ids, result.data)
+                read = self.runner.import_blocks_async(ids, result.data)
+                if read is not None and result.release is not None:  # a GPU still copies out of the rows
+                    _release_once_read(read, result.release)
+                    result.release = None
             except ValueError as exc:
                 result.error = str(exc)
         if result.error is not None:
@@ -514,3 +518,15 @@ class Engine:
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
+
+
+def _release_once_read(read: Callable[[], None], release: Callable[[], None]) -> None:
+    """Give a load's staging rows back once the GPU's copy out of them is done, off the engine thread."""
+
+    def wait_then_release() -> None:
+        try:
+            read()
+        finally:
+            release()
+
+    threading.Thread(target=wait_then_release, name="kv-load-release", daemon=True).start()

@@ -47,6 +47,7 @@ class ModelRunner:
             self.block_size, ops, config.torch_dtype,
         )
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gb)
+        self._copy_stream: torch.cuda.Stream | None = None  # KV exports and imports on a GPU (_side_stream)
         graphs = self._graphs_wanted(group)
         # with CUDA graphs, one block more than the scheduler hands out: where padding rows write
         shape = self.attn.cache_shape(self.num_blocks + int(graphs))
@@ -96,8 +97,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             self._gather_wire(ids, out)
             return out, None
-        side = self._copy_stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
+        side = self._side_stream()
         with torch.cuda.stream(side):
             wire = torch.empty(shape, dtype=out.dtype, device=self.device)  # this stream's: freed in its order
             self._gather_wire(ids, wire)
@@ -109,6 +109,13 @@ class ModelRunner:
         torch.cuda.current_stream().wait_event(gathered)
         return out, copied.synchronize
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream KV copies run on, beside the steps', after everything the steps' stream queued so far."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        return self._copy_stream
+
     def _gather_wire(self, ids: torch.Tensor, wire: torch.Tensor) -> None:
         for layer, cache in enumerate(self.kv_caches):
             # [n, 2, bs, Hkv, D] -> [n, Hkv, 2, bs, D], this layer's column of the wire layout
@@ -116,7 +123,16 @@ class ModelRunner:
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks given in the wire layout into the cache (the inverse of ``export_blocks``):
-        whole blocks, of which this rank takes its heads, or this rank's heads only."""
+        whole blocks, of which this rank takes its heads, or this rank's heads only. Done when it returns."""
+        read = self.import_blocks_async(block_ids, data)
+        if read is not None:
+            torch.cuda.current_stream().synchronize()
+
+    def import_blocks_async(self, block_ids: list[int], data: torch.Tensor) -> Callable[[], None] | None:
+        """``import_blocks`` that leaves the engine thread at once on a GPU: the copy to the device and the
+        writes into the cache run on a side stream, which the steps' stream waits for (the next step reads
+        the blocks after them; the thread does not wait). Returns what waits until ``data`` has been read
+        (the caller keeps its staging rows until then); None: it has been."""
         mc, shard = self.config.model_config, self.shard
         whole = (len(block_ids), *wire_block_shape(mc, self.block_size))
         mine = (len(block_ids), *wire_block_shape(mc, self.block_size, shard.num_kv_heads))
@@ -125,9 +141,23 @@ class ModelRunner:
         elif tuple(data.shape) != mine:
             raise ValueError(f"KV blocks have shape {tuple(data.shape)}, this engine needs {whole}")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = data.to(device=self.device, dtype=self.config.torch_dtype)
+        if self.device.type != "cuda":
+            self._scatter_wire(ids, data.to(dtype=self.config.torch_dtype))
+            return None
+        side = self._side_stream()
+        with torch.cuda.stream(side):
+            wire = data.to(device=self.device, dtype=self.config.torch_dtype, non_blocking=data.is_pinned())
+            read = torch.cuda.Event()
+            read.record(side)
+            self._scatter_wire(ids, wire)
+            written = torch.cuda.Event()
+            written.record(side)
+        torch.cuda.current_stream().wait_event(written)
+        return read.synchronize
+
+    def _scatter_wire(self, ids: torch.Tensor, wire: torch.Tensor) -> None:
         for layer, cache in enumerate(self.kv_caches):
-            self.attn.write_blocks(cache, ids, data[:, :, layer].permute(0, 2, 3, 1, 4))
+            self.attn.write_blocks(cache, ids, wire[:, :, layer].permute(0, 2, 3, 1, 4))
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """One process cannot lose a rank: nothing to report (``TPExecutor`` can)."""

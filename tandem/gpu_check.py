@@ -261,18 +261,24 @@ def _batched_tok_s(engine, streams: int, new: int = 64) -> float:
 
 
 def tandem_up(device: torch.device, quick: bool, work: Path) -> dict:
-    """A disaggregated `tandem up` on this device answers a request through the gateway."""
+    """A disaggregated `tandem up` on this device answers a request through the gateway, with the tokens
+    of the same engine in this process: the KV went prefill -> store -> decode (into the decode worker's
+    staging rows, then onto the device) intact."""
     from tandem.launcher import ClusterConfig
 
     path = tiny_checkpoint(work / "llama-up", "llama", tokenizer=True)
     config = ClusterConfig(mode="disaggregated", engine_args=["--model", str(path), "--device", str(device),
-                                                              "--kv-cache-gb", "0.25"],
+                                                              "--dtype", "float32", "--kv-cache-gb", "0.25"],
                            kv_capacity_gb=0.25, log_dir=work / "logs", startup_timeout=150)
+    want = _engine(path, device, "float32").generate([PROMPT_UP], _greedy(8))[0]
     try:
         tokens = _ask_cluster(config)
     except Exception as exc:  # the services' last words say why, where the exception alone would not
         raise RuntimeError(f"{exc!r}; {_log_tails(config.log_dir)}") from exc
-    return {"ok": len(tokens) == 8, "tokens": tokens}
+    return {"ok": tokens == want, "tokens": tokens, "in_process": want}
+
+
+PROMPT_UP = list(range(3, 20))
 
 
 def _ask_cluster(config) -> list[int]:
@@ -287,7 +293,7 @@ def _ask_cluster(config) -> list[int]:
 
         async def ask() -> list[int]:
             request = gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(ids=list(range(3, 20))),
+                token_ids=gateway_pb2.TokenIds(ids=PROMPT_UP),
                 sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
             return [t async for m in stream_generate(cluster.gateway.address, request, timeout=120)
                     for t in m.token_ids]

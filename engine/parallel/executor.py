@@ -187,6 +187,11 @@ class TPExecutor:
                 return shared.clone()  # the connector pushes it later: not a view of a buffer reused meanwhile
             return out.copy_(shared)
 
+    def import_blocks_async(self, block_ids: list[int], data: torch.Tensor) -> Callable[[], None] | None:
+        """``import_blocks``, done when it returns: every rank has its heads after the barrier."""
+        self.import_blocks(block_ids, data)
+        return None
+
     def export_blocks_async(self, block_ids: list[int], out: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """``export_blocks``, done when it returns: every rank's part is in place after the barrier."""

@@ -98,6 +98,7 @@ class ModelRunner:
             self._gather_wire(ids, out)
             return out, None
         side = self._side_stream()
+        ids.record_stream(side)  # the steps' stream must not reuse its memory before the side stream read it
         with torch.cuda.stream(side):
             wire = torch.empty(shape, dtype=out.dtype, device=self.device)  # this stream's: freed in its order
             self._gather_wire(ids, wire)
@@ -145,6 +146,7 @@ class ModelRunner:
             self._scatter_wire(ids, data.to(dtype=self.config.torch_dtype))
             return None
         side = self._side_stream()
+        ids.record_stream(side)
         with torch.cuda.stream(side):
             wire = data.to(device=self.device, dtype=self.config.torch_dtype, non_blocking=data.is_pinned())
             read = torch.cuda.Event()

@@ -4,7 +4,7 @@ worker, a prefill worker and the kvstore node are killed and restarted and Redis
 Every request must either complete with the exact text the in-process engine gives (greedy, and
 seeded sampling) or fail with a clear status; afterwards no service holds blocks, leases, streams
 or partial blocks, and no process has grown past its memory bound. ``TANDEM_SOAK_SECONDS`` sets
-how long the load runs (default 180 s).
+how long the load runs (default 120 s: each of the four faults at least twice).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tandem.redis_server import RedisServer
 from tests.e2e.pipeline import WORKER_ARGS, call, token_request, wait_clean
 from tokenizer_svc.tokenizer import TextTokenizer
 
-SOAK_SECONDS = float(os.environ.get("TANDEM_SOAK_SECONDS", "180"))
+SOAK_SECONDS = float(os.environ.get("TANDEM_SOAK_SECONDS", "120"))
 CLIENTS = 4
 MAX_TOKENS = 20
 # What a request may end with besides OK while faults are injected: clear statuses, never a wrong answer.

@@ -66,27 +66,10 @@ class DecodeGraphs:
         return graph.hidden[:b]
 
     def _fill(self, size: int, ids: list[int], positions: list[int], spans: list[tuple[int, int, list[int]]]) -> int:
-        """The step's integers into the pinned buffer; how many words the device needs."""
-        n, w, b, bs = self.max_batch, self.width, len(spans), self.block_size
+        """The step's integers into the pinned buffer (once the last step's copy out of it is done)."""
         self.copied.synchronize()
-        words = self.words
-        words[:b] = ids
-        words[n : n + b] = positions
-        lens = np.asarray(positions, dtype=np.int64) + 1
-        words[3 * n : 3 * n + b] = lens
-        table = words[4 * n : 4 * n + size * w].reshape(size, w)
-        for row, (_, _, blocks) in enumerate(spans):
-            k = min(len(blocks), w)
-            table[row, :k] = blocks[:k]
-        last = lens - 1
-        words[2 * n : 2 * n + b] = table[np.arange(b), last // bs] * bs + last % bs
-        # padding rows: token 0 at position 0, written to the scratch block and attending over it alone
-        words[b:size] = 0
-        words[n + b : n + size] = 0
-        words[2 * n + b : 2 * n + size] = self.scratch * bs
-        words[3 * n + b : 3 * n + size] = 1
-        table[b:size] = self.scratch
-        return 4 * n + size * w
+        return fill_step_words(self.words, self.max_batch, self.width, self.block_size, self.scratch, size, ids,
+                               positions, spans)
 
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         n, w, d = self.max_batch, self.width, self.device_words
@@ -109,3 +92,28 @@ class DecodeGraphs:
             hidden = forward()
         self.graphs[size] = _Graph(graph, hidden)
         return self.graphs[size]
+
+
+def fill_step_words(words: np.ndarray, n: int, width: int, block_size: int, scratch: int, size: int,
+                    ids: list[int], positions: list[int], spans: list[tuple[int, int, list[int]]]) -> int:
+    """Lay a decode step out in ``words`` as the graphs read it: token ids, positions, cache slots and context
+    lengths at offsets 0, n, 2n, 3n, then the block table ``[size, width]`` from 4n; rows ``len(spans)..size``
+    are padding (token 0 at position 0, written to and attending over slot 0 of the ``scratch`` block).
+    Returns how many words the device needs."""
+    b, bs = len(spans), block_size
+    words[:b] = ids
+    words[n : n + b] = positions
+    lens = np.asarray(positions, dtype=np.int64) + 1
+    words[3 * n : 3 * n + b] = lens
+    table = words[4 * n : 4 * n + size * width].reshape(size, width)
+    for row, (_, _, blocks) in enumerate(spans):
+        k = min(len(blocks), width)
+        table[row, :k] = blocks[:k]
+    last = lens - 1
+    words[2 * n : 2 * n + b] = table[np.arange(b), last // bs] * bs + last % bs
+    words[b:size] = 0
+    words[n + b : n + size] = 0
+    words[2 * n + b : 2 * n + size] = scratch * bs
+    words[3 * n + b : 3 * n + size] = 1
+    table[b:size] = scratch
+    return 4 * n + size * width

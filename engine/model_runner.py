@@ -189,4 +189,7 @@ class ModelRunner:
         if not inputs.sample_rows or head is None:
             rows = self.config.model_config.vocab_size if head is None else head.shape[0]
             return hidden.new_empty(0, rows, dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(inputs.sample_rows, device=self.device)])
+        rows = inputs.sample_rows
+        if rows[-1] - rows[0] == len(rows) - 1:  # rows ascend: consecutive (every decode step) is a view, no copy
+            return self.model.logits(hidden[rows[0] : rows[-1] + 1])
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])

@@ -97,14 +97,9 @@ def decode_metadata(
     large batch, built with a handful of array operations instead of several tensor ops per request (at 256
     requests that was ~10 ms a step)."""
     n = len(spans)
-    lens = np.fromiter((computed + 1 for computed, _, _ in spans), dtype=np.int64, count=n)
-    max_blocks = int(-(-lens.max() // block_size))
+    max_blocks = -(-max(computed + 1 for computed, _, _ in spans) // block_size)
     table = np.zeros((n, max_blocks), dtype=np.int64)
-    for i, (_, _, ids) in enumerate(spans):
-        k = min(len(ids), max_blocks)
-        table[i, :k] = ids[:k]
-    last = lens - 1
-    slots = table[np.arange(n), last // block_size] * block_size + last % block_size
+    lens, slots = fill_decode_table(table, spans, block_size)
     width = max_blocks * block_size
     blocks = torch.from_numpy(table)
     group = DecodeGroup(
@@ -116,6 +111,19 @@ def decode_metadata(
     )
     return AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), decodes=[group], prefills=[],
                              all_decode=True)
+
+
+def fill_decode_table(table: np.ndarray, spans: list[tuple[int, int, list[int]]], block_size: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Decode spans' block tables into the first rows of ``table`` (cut at its width); each request's context
+    length and the cache slot its new token's K/V goes to."""
+    n = len(spans)
+    lens = np.fromiter((computed + 1 for computed, _, _ in spans), dtype=np.int64, count=n)
+    for i, (_, _, ids) in enumerate(spans):
+        k = min(len(ids), table.shape[1])
+        table[i, :k] = ids[:k]
+    last = lens - 1
+    return lens, table[np.arange(n), last // block_size] * block_size + last % block_size
 
 
 def group_by_length(decodes: list[_Decode]) -> list[list[_Decode]]:
@@ -171,6 +179,9 @@ class AttentionBackend:
 
     name = "base"
     groups_by_length = True  # whether decodes attend in groups of similar length (see DecodeGroup)
+    # whether an all-decode step's kernels depend only on the block table's width, not on the lengths, so that
+    # a CUDA graph captured at a fixed width replays any step (engine.cuda_graphs)
+    static_decode = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
@@ -367,6 +378,7 @@ class TritonAttentionBackend(TokenMajorBackend):
 
     name = "triton"
     groups_by_length = False
+    static_decode = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)

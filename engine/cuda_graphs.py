@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup
+from engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup, fill_decode_table
 from engine.model import LlamaModel
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -103,14 +103,10 @@ def fill_step_words(words: np.ndarray, n: int, width: int, block_size: int, scra
     b, bs = len(spans), block_size
     words[:b] = ids
     words[n : n + b] = positions
-    lens = np.asarray(positions, dtype=np.int64) + 1
-    words[3 * n : 3 * n + b] = lens
     table = words[4 * n : 4 * n + size * width].reshape(size, width)
-    for row, (_, _, blocks) in enumerate(spans):
-        k = min(len(blocks), width)
-        table[row, :k] = blocks[:k]
-    last = lens - 1
-    words[2 * n : 2 * n + b] = table[np.arange(b), last // bs] * bs + last % bs
+    lens, slots = fill_decode_table(table, spans, bs)
+    words[2 * n : 2 * n + b] = slots
+    words[3 * n : 3 * n + b] = lens
     words[b:size] = 0
     words[n + b : n + size] = 0
     words[2 * n + b : 2 * n + size] = scratch * bs

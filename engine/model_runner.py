@@ -58,9 +58,9 @@ class ModelRunner:
                                    config.max_num_seqs, scratch_block=self.num_blocks) if graphs else None
 
     def _graphs_wanted(self, group: RankGroup | None) -> bool:
-        """CUDA graphs for decode: on CUDA with the Triton kernel (whose grid a fixed table width fixes), and
-        one rank (a tensor-parallel step's all-reduces stay eager)."""
-        return (self.config.cuda_graphs and self.device.type == "cuda" and self.attn.name == "triton"
+        """CUDA graphs for decode: on CUDA with a backend whose decode a fixed table width fixes (the Triton
+        kernel), and one rank (a tensor-parallel step's all-reduces stay eager)."""
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self.attn.static_decode
                 and (group is None or group.size == 1))
 
     @property
@@ -187,8 +187,8 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, pos, self.kv_caches, meta, self.attn)
         head = self.model.lm_head
         if not inputs.sample_rows or head is None:
-            rows = self.config.model_config.vocab_size if head is None else head.shape[0]
-            return hidden.new_empty(0, rows, dtype=torch.float32)
+            vocab = self.config.model_config.vocab_size if head is None else head.shape[0]
+            return hidden.new_empty(0, vocab, dtype=torch.float32)
         rows = inputs.sample_rows
         if rows[-1] - rows[0] == len(rows) - 1:  # rows ascend: consecutive (every decode step) is a view, no copy
             return self.model.logits(hidden[rows[0] : rows[-1] + 1])

@@ -8,6 +8,7 @@ many passes over memory on each, which at batch size 1 costs about as much as th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -18,7 +19,38 @@ from engine import cpu_ops
 from engine.quant import Fp8Weight, QuantizedWeight, fp8_linear
 from engine.quant.reference import qlinear_dequantized
 
-Weight = torch.Tensor | QuantizedWeight | Fp8Weight
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An [rows, cols] float weight in the column panels of ``cpu_ops.packed_linear``, packed once at load.
+
+    Decode's 1-128 rows of x and prefill's thousands all run on one register-blocked kernel that beats both
+    the row-streaming kernel and oneDNN on CPUs with AVX-512 (bench numbers by ``small_m_table``), so the
+    matrix is kept in that layout only, at the same size.
+    """
+
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+Weight = torch.Tensor | QuantizedWeight | Fp8Weight | PackedWeight
 
 
 class TorchKernels:
@@ -30,6 +62,10 @@ class TorchKernels:
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def prepare_weight(self, weight: Weight) -> Weight:
+        """A linear layer's weight in the layout ``linear`` reads fastest (done once, at load)."""
+        return weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -80,13 +116,22 @@ class CpuKernels(TorchKernels):
         amx = "amx_bf16" in cpu_ops.cpu_flags()
         self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if amx else QUANT_GEMM_M_VNNI)
         self.small_m = small_m_table(ops, amx)
+        self.packed = packed_dtypes(ops, amx)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return self.qlinear(x, weight, bias)
+        if isinstance(weight, PackedWeight):
+            return self.ops.packed_linear(x, weight.data, weight.rows, bias)
         if x.dtype != weight.dtype or x.shape[0] > self.small_m.get(x.dtype, 0):
             return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
         return self.ops.linear(x, weight, bias)
+
+    def prepare_weight(self, weight: Weight) -> Weight:
+        """Float weights packed for ``packed_linear`` where it serves every row count (see ``self.packed``)."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in self.packed:
+            return weight
+        return PackedWeight(self.ops.pack_linear_weight(weight), weight.shape[0], weight.shape[1])
 
     def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.quant_gemm_rows.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:
@@ -121,6 +166,13 @@ def small_m_table(ops: ModuleType, amx: bool) -> dict[torch.dtype, int]:
     else:
         bf16 = SMALL_M_DOT_BF16
     return {torch.float32: SMALL_M, torch.bfloat16: bf16}
+
+
+def packed_dtypes(ops: ModuleType, amx: bool) -> set[torch.dtype]:
+    """The dtypes whose weights ``CpuKernels`` packs: those the packed kernel runs here, except bfloat16 with
+    AMX, where oneDNN's tile GEMM wins from 16 rows and needs the plain layout."""
+    dtypes = {torch.float32, torch.bfloat16} - ({torch.bfloat16} if amx else set())
+    return {d for d in dtypes if ops.packed_linear_supported(torch.empty(0, 0, dtype=d))}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ class LayerWeights:
     """One decoder layer's tensors, fused the way the forward pass reads them."""
 
     __slots__ = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down")
+    LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the matrices, in the kernels' layout (prepare_weight)
 
     def __init__(self, **tensors: torch.Tensor | None) -> None:
         for name in self.__slots__:
@@ -45,15 +46,19 @@ class LlamaModel:
     ) -> None:
         self.config = config
         self.embed = embed
+        self.kernels = kernels or TorchKernels()
+        for layer in layers:
+            for name in LayerWeights.LINEARS:
+                setattr(layer, name, self.kernels.prepare_weight(getattr(layer, name)))
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # None on tensor-parallel ranks other than 0: they sample nothing
+        # None on tensor-parallel ranks other than 0: they sample nothing
+        self.lm_head = None if lm_head is None else self.kernels.prepare_weight(lm_head)
         shard = shard or TPShard.of(config)
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
-        self.kernels = kernels or TorchKernels()
         # Tensor parallelism: sums the row-parallel layers' partial outputs over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
 

@@ -816,6 +816,12 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
                       const c10::optional<torch::Tensor>& bias);
 bool qlinear_vnni();
 
+// packed_linear.cpp
+bool packed_linear_supported(const torch::Tensor& weight);
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                            const c10::optional<torch::Tensor>& bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
   m.attr("NATIVE_BF16") = true;
@@ -831,5 +837,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
   m.attr("QUANT_VNNI") = qlinear_vnni();
   m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W (4 or 8 bits), int8 activations per 32-block");
+  m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
+  m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
+  m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

@@ -60,6 +60,63 @@ def test_linear(ops, dtype, tol, rows, k, n, bias):
     close(ops.linear(x, w, b), want, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 257, 600])  # micro-tiles of 4, blocks of 256 rows
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (64, 13, True), (71, 97, True), (1536, 200, False)])
+def test_packed_linear(ops, dtype, rows, k, n, bias):
+    """Against a float64 matmul of the same values: the kernel accumulates in float32 and rounds once, so it is
+    within float32 summation error (plus one rounding to bfloat16). n % 96 != 0 leaves a part-filled last panel;
+    an odd k a zero-padded last pair."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
+        pytest.skip(f"this CPU has no packed kernel for {dtype} (it needs AVX-512, and AVX512_BF16 for bfloat16)")
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = ops.packed_linear(x, ops.pack_linear_weight(w), n, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
+    """A row's sum runs in one order wherever it falls in a micro-tile or row block, so a sequence decodes the
+    same bits alone as in any batch."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
+        pytest.skip(f"this CPU has no packed kernel for {dtype}")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 576, generator=g).to(dtype)
+    w = ops.pack_linear_weight((torch.randn(200, 576, generator=g) / 24).to(dtype))
+    whole = ops.packed_linear(x, w, 200, None)
+    for rows in (slice(0, 1), slice(5, 8), slice(255, 260), slice(3, 300)):
+        assert torch.equal(ops.packed_linear(x[rows], w, 200, None), whole[rows])
+
+
+def test_packed_linear_rejects_a_weight_of_another_shape(ops):
+    w = ops.pack_linear_weight(torch.ones(8, 64))
+    with pytest.raises(RuntimeError, match="packed weight is not"):
+        ops.packed_linear(torch.ones(2, 32), w, 8, None)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.packed_linear(torch.ones(2, 64, dtype=torch.bfloat16), w, 8, None)
+
+
+def test_cpu_kernels_pack_float_weights_once_and_serve_them(kernels):
+    """``prepare_weight`` packs where the kernel serves every row count; quantized and 1-D tensors pass through."""
+    cpu, ref = kernels
+    w = torch.randn(100, 64) / 8
+    packed = cpu.prepare_weight(w)
+    if torch.float32 not in cpu.packed:
+        assert packed is w
+        return
+    assert packed.shape == (100, 64) and packed.dtype == torch.float32 and packed.nbytes >= w.nbytes
+    x = torch.randn(3, 64)
+    close(cpu.linear(x, packed), ref.linear(x, w), 1e-5)
+    norm = torch.ones(64)
+    assert cpu.prepare_weight(norm) is norm
+    assert ref.prepare_weight(w) is w
+
+
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_norms_and_activation(kernels, dtype, tol, rows):
@@ -234,9 +291,8 @@ def test_engine_on_kernels_agrees_with_eager_torch(tiny_llama, dtype, atol, step
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 9, 40, 77)]
     results = []
     for backend in ("cpu", "torch"):
-        engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64, dtype=dtype, attention_backend=backend)
-        if backend == "torch":
-            engine.runner.model.kernels = TorchKernels()
+        engine = Engine.from_model(str(tiny_llama), num_kv_blocks=64, dtype=dtype, attention_backend=backend,
+                                   cpu_kernels=backend == "cpu")
         assert engine.runner.model.kernels.name == backend
         params = SamplingParams(max_tokens=steps, temperature=0, logprobs=2, ignore_eos=True)
         results.append(batch_logprobs(engine, prompts, params))

@@ -64,7 +64,7 @@ class Engine:
             config.enable_chunked_prefill,
             config.scheduling_policy,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.runner.model.kernels.argmax)
         mc = self.model_config
         self.grammars = GrammarCompiler(
             Path(config.model) / "tokenizer.json", mc.vocab_size, mc.eos_token_ids,

@@ -24,9 +24,12 @@ from engine.quant.reference import qlinear_dequantized
 class PackedWeight:
     """An [rows, cols] float weight in the column panels of ``cpu_ops.packed_linear``, packed once at load.
 
-    Decode's 1-128 rows of x and prefill's thousands all run on one register-blocked kernel that beats both
-    the row-streaming kernel and oneDNN on CPUs with AVX-512 (bench numbers by ``small_m_table``), so the
-    matrix is kept in that layout only, at the same size.
+    Decode's 1-256 rows of x and prefill's thousands all run on one register-blocked kernel that beats both
+    the row-streaming kernel and oneDNN on CPUs with AVX-512 (measured on a 2-core EPYC over the default
+    model's layers, bfloat16: 409 / 436 / 430 GFLOP/s at 16 / 64 / 256 rows against oneDNN's 224 / 334 / 380
+    and the streaming kernel's 272 / 289 / 293; on par with oneDNN at 1,024), so the matrix is kept in that
+    layout only, at the same size. One kernel for every row count also makes a row's result independent of
+    the batch it decodes in.
     """
 
     data: torch.Tensor
@@ -67,6 +70,10 @@ class TorchKernels:
         """A linear layer's weight in the layout ``linear`` reads fastest (done once, at load)."""
         return weight
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest index (greedy sampling's token), as ``torch.argmax(x, -1)``."""
+        return x.argmax(dim=-1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -91,7 +98,8 @@ class TorchKernels:
         qk.copy_(apply_rope(qk, *tables))
 
 
-# Rows of x up to which the project's linear kernel beats oneDNN's GEMM, per dtype and CPU (see small_m_table).
+# Rows of x up to which the project's row-streaming linear kernel beats oneDNN's GEMM, per dtype and CPU (see
+# small_m_table), for weights in the plain layout: where the packed kernel runs (packed_dtypes), it serves them all.
 # float32: 16 everywhere measured (a 2-core AVX-512 EPYC and Xeon). bfloat16 with AVX512_BF16 dot products
 # (vdpbf16ps) and no AMX: 128, measured on the EPYC over the default model's layer shapes (bench step-profile):
 # the kernel ran 194 / 263 / 276 GFLOP/s at 16 / 64 / 128 rows, oneDNN 64-131 / 223 / 275, and oneDNN pulls
@@ -132,6 +140,12 @@ class CpuKernels(TorchKernels):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in self.packed:
             return weight
         return PackedWeight(self.ops.pack_linear_weight(weight), weight.shape[0], weight.shape[1])
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's CPU argmax reads ~5 GB/s, 20x slower than its amax: a vectorised kernel for float32 rows."""
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0:
+            return self.ops.argmax_rows(x)
+        return x.argmax(dim=-1)
 
     def qlinear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.quant_gemm_rows.get(x.dtype, 0) or not self.ops.QUANT_VNNI and x.shape[0] > 1:

@@ -7,6 +7,8 @@ else shares the batch (and a migrated request continues the same stream).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.request import Request, TokenLogprobs
@@ -19,8 +21,11 @@ class Sampler:
     """Samples where the logits are (on the GPU on CUDA): only token ids and the requested logprobs come
     back to the host, never a ``[batch, vocab]`` row."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``argmax``: rows of [n, vocab] to each row's first largest index (the model's kernels have a faster
+        one than torch's on CPU); ``torch.argmax(x, -1)`` by default."""
         self.seed = seed
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
         self._unseeded: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -40,12 +45,12 @@ class Sampler:
         dev = logits.device
         plain = [not r.params.has_penalties and r.params.greedy for r in requests]
         if all(plain):
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         else:
             tokens = torch.empty(len(requests), dtype=torch.long, device=dev)
             greedy = torch.tensor(plain, device=dev)
             if greedy.any():
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
+                tokens[greedy] = self.argmax(logits[greedy])
             rest = [i for i, g in enumerate(plain) if not g]
             tokens[rest] = self.sample_rows(take(logits, rest), [requests[i] for i in rest])
         tokens_list = tokens.tolist()
@@ -65,7 +70,7 @@ class Sampler:
         """
         p = request.params
         greedy = p.greedy and not p.has_penalties
-        targets = rows.argmax(dim=-1).tolist() if greedy else None
+        targets = self.argmax(rows).tolist() if greedy else None
         tokens: list[int] = []
         for i in range(len(draft) + 1):
             if targets is not None:
@@ -108,10 +113,10 @@ class Sampler:
                 at = r.num_tokens if positions is None else positions[i]
                 seeded = torch.Generator(device=dev).manual_seed((p.seed * _SEED_STRIDE + at) % 2**64)
                 noise[i].uniform_(generator=seeded)
-        tokens = (probs / noise.log_().neg_()).argmax(dim=-1)
+        tokens = self.argmax(probs / noise.log_().neg_())
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         if greedy.any():  # greedy with penalties: the penalised argmax
-            tokens[greedy] = rows[greedy].argmax(dim=-1)
+            tokens[greedy] = self.argmax(rows[greedy])
         return tokens
 
 

@@ -533,6 +533,16 @@ void write_kv_(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor
 namespace {
 
 
+// The cache slot of a sequence's t-th token: a shift and a mask for the power-of-two block sizes the engine
+// uses, two integer divisions otherwise.
+inline int64_t slot_of(const int32_t* table, int64_t block_size, int64_t t) {
+  if ((block_size & (block_size - 1)) == 0) {
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(block_size));
+    return (static_cast<int64_t>(table[t >> shift]) << shift) | (t & (block_size - 1));
+  }
+  return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+}
+
 // Split-K: the part [t0, t1) of one sequence's keys for the G query heads of one K/V head, unnormalised:
 // m[g] the part's largest score, l[g] = sum of exp(score - m[g]), acc[g] = sum of exp(score - m[g]) v.
 template <typename T>
@@ -547,7 +557,7 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
     return;
   }
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const int64_t slot = slot_of(table, block_size, t);
     const T* krow = kc + slot * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
@@ -565,7 +575,7 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
     l[g] = sum;
   }
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const int64_t slot = slot_of(table, block_size, t);
     const T* vrow = vc + slot * D;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + t - t0];
@@ -578,7 +588,7 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
 #if defined(__AVX512F__)
 template <typename T>
 inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_size, int64_t t, int64_t D) {
-  return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
+  return cache + slot_of(table, block_size, t) * D;
 }
 
 // A cache row's lines into L1 ahead of use: the rows of one sequence are short runs (a block's 16 rows of
@@ -772,15 +782,24 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     std::unique_ptr<float[]> m(new float[tasks * G]), l(new float[tasks * G]), acc(new float[tasks * G * D]);
     const auto write = [&](int64_t b, int64_t h, int64_t g, const float* o, float total) {
       T* dst = op + b * Hq * D + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      const __m512 inv = _mm512_set1_ps(total);
+      for (; d + LANES <= D; d += LANES) store16(dst + d, _mm512_div_ps(_mm512_loadu_ps(o + d), inv));
+#endif
+      for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
+    // bfloat16 scores with AVX512_BF16 (scores16, head sizes 32 / 64 / 128) read q as it is; every other path
+    // reads it in float32.
+    const bool q_as_is = std::is_same_v<T, bf16_t> && HAVE_DPBF16 && (D == 32 || D == 64 || D == 128);
     at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores(G * PART_KEYS), qf(G * D);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = seq_of[i], parts = (first[b + 1] - first[b]) / Hkv, k = i - first[b];
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
-        for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
+        if (!q_as_is)
+          for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
         float* a = &acc[i * G * D];
         attend_range<T>(qf.data(), qh, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
                         static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], a);
@@ -788,6 +807,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           for (int64_t g = 0; g < G; ++g) write(b, h, g, a + g * D, l[i * G + g]);
       }
     });
+    if (tasks == B * Hkv) return;  // every sequence in one part, normalised in its task: nothing to merge
     at::parallel_for(0, B * Hkv * G, 16, [&](int64_t i0, int64_t i1) {  // merge the parts of each query head
       std::vector<float> o(D);
       for (int64_t i = i0; i < i1; ++i) {
@@ -816,6 +836,9 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
                       const c10::optional<torch::Tensor>& bias);
 bool qlinear_vnni();
 
+// argmax.cpp
+torch::Tensor argmax_rows(const torch::Tensor& x);
+
 // packed_linear.cpp
 bool packed_linear_supported(const torch::Tensor& weight);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
@@ -840,5 +863,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
   m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
   m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

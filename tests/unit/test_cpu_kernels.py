@@ -117,6 +117,28 @@ def test_cpu_kernels_pack_float_weights_once_and_serve_them(kernels):
     assert ref.prepare_weight(w) is w
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (16, 49152), (3, 17), (5, 1)])
+def test_argmax_rows_answers_as_torch_argmax(ops, rows, vocab):
+    """Ties go to the first index, NaN wins (its first one), -inf-only rows give 0, a ragged last vector counts."""
+    g = torch.Generator().manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    if vocab > 16:
+        x[0, 5] = x[0, vocab - 1] = x[0].max() + 1  # a tie, the second in the last (ragged) vector
+    if rows > 2 and vocab > 16:
+        x[1, 9] = x[1, 12] = float("nan")
+        x[2] = float("-inf")
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.bfloat16())
+
+
+def test_cpu_kernels_argmax_serves_the_sampler(kernels):
+    cpu, ref = kernels
+    x = torch.randn(4, 1000)
+    assert torch.equal(cpu.argmax(x), ref.argmax(x))
+    assert torch.equal(cpu.argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))  # other dtypes: torch's
+
+
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_norms_and_activation(kernels, dtype, tol, rows):

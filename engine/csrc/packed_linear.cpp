@@ -189,6 +189,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x and weight dtypes differ");
   TORCH_CHECK(packed_linear_supported(packed), "packed_linear: no packed kernel here for ", packed.scalar_type());
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(),
+              "packed_linear: the weight must come from pack_linear_weight");
   const int64_t M = x.size(0), S = step_of(x);
   int64_t K = x.size(1);
   const int64_t steps = (K + S - 1) / S, num_panels = (N + NR - 1) / NR;

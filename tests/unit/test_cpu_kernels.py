@@ -99,6 +99,8 @@ def test_packed_linear_rejects_a_weight_of_another_shape(ops):
         ops.packed_linear(torch.ones(2, 32), w, 8, None)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         ops.packed_linear(torch.ones(2, 64, dtype=torch.bfloat16), w, 8, None)
+    with pytest.raises(RuntimeError, match="must come from pack_linear_weight"):
+        ops.packed_linear(torch.ones(2, 64), torch.stack([w, w], 1)[:, 0], 8, None)
 
 
 def test_cpu_kernels_pack_float_weights_once_and_serve_them(kernels):

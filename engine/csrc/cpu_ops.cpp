@@ -1,7 +1,8 @@
 // CPU kernels for the decode path: the steps that eager PyTorch runs as many small ops or as
 // kernels tuned for large matrices.
 //
-// - linear: y = x W^T (+ b) streaming each weight row once per 4 rows of x. Decode reads every
+// - linear: y = x W^T (+ b) on weights in their plain [N, K] layout (packed_linear.cpp serves the weights
+//   the engine packs at load on AVX-512 CPUs), streaming each weight row once per 4 rows of x. Decode reads every
 //   weight once per step, so it is bound by memory bandwidth, which oneDNN's small-M paths leave
 //   partly unused, bfloat16 ones on CPUs without bf16 dot products most (there its GEMMs are
 //   slow at any M, and this kernel serves every bfloat16 matmul).

@@ -586,6 +586,13 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
   }
 }
 
+// Whether scores16 multiplies q as it is (bfloat16 dot products) rather than q converted to float32: the one
+// place that decides, which the caller also asks before converting q.
+template <typename T>
+constexpr bool scores_read_raw_q(int64_t D) {
+  return std::is_same_v<T, bf16_t> && HAVE_DPBF16 && (D == 32 || D == 64 || D == 128);
+}
+
 #if defined(__AVX512F__)
 template <typename T>
 inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_size, int64_t t, int64_t D) {
@@ -623,7 +630,7 @@ void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc,
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, bf16_t>) {
-        if (D % 32 == 0) {
+        if (scores_read_raw_q<T>(D)) {
           for (int64_t c = 0; c < D; c += 32) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(qraw + g * D + c);
             for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(rows[j] + c), qv);
@@ -790,9 +797,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 #endif
       for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
-    // bfloat16 scores with AVX512_BF16 (scores16, head sizes 32 / 64 / 128) read q as it is; every other path
-    // reads it in float32.
-    const bool q_as_is = std::is_same_v<T, bf16_t> && HAVE_DPBF16 && (D == 32 || D == 64 || D == 128);
+    const bool q_as_is = scores_read_raw_q<T>(D);  // else every path reads q in float32
     at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores(G * PART_KEYS), qf(G * D);
       for (int64_t i = i0; i < i1; ++i) {

@@ -54,13 +54,24 @@ class LlamaModel:
         self.norm = norm
         # None on tensor-parallel ranks other than 0: they sample nothing
         self.lm_head = None if lm_head is None else self.kernels.prepare_weight(lm_head)
+        self._chain_weights()
         shard = shard or TPShard.of(config)
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
-        self.q_size = self.num_heads * config.head_dim
-        self.kv_size = self.num_kv_heads * config.head_dim
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
         # Tensor parallelism: sums the row-parallel layers' partial outputs over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
+
+    def _chain_weights(self) -> None:
+        """Tell each matrix which one the forward pass reads after it (kernels that prefetch across calls)."""
+        slots = [(layer, name) for layer in self.layers for name in LayerWeights.LINEARS]
+        weights = [getattr(layer, name) for layer, name in slots]
+        if self.lm_head is not None:
+            weights.append(self.lm_head)
+        chained = self.kernels.chain(weights)
+        for (layer, name), w in zip(slots, chained, strict=False):
+            setattr(layer, name, w)
+        if self.lm_head is not None:
+            self.lm_head = chained[-1]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,14 +95,13 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         n, d = x.shape[0], cfg.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
+        split = (heads, kv_heads, kv_heads)
         delta = None  # what the last sub-block adds to the residual stream
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = self._norm(x, delta, layer.input_norm)
             qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             ops.rope_(qkv, rope, heads + kv_heads, d)
-            q = qkv[:, : self.q_size].view(n, heads, d)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kv_heads, d)
-            v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
+            q, k, v = qkv.view(n, heads + 2 * kv_heads, d).split(split, dim=1)  # views, in one call
             delta = self._reduced(ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj))
             h = self._norm(x, delta, layer.post_norm)
             delta = self._reduced(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
@@ -109,7 +119,7 @@ class LlamaModel:
         return self.kernels.add_rms_norm_(x, delta, weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(hidden, self.lm_head).float()
+        return self.kernels.logits(hidden, self.lm_head)
 
 
 def rope_cache(

@@ -435,9 +435,28 @@ int64_t silu_mul_vec(const T* gate, const T* up, int64_t I, T* o) {
   }
   return c;
 }
+
+// Rotate-half RoPE of one head's leading multiple of 16 pairs, rounding where the scalar loop does (each
+// product, then their sum); returns how many pairs were done.
+template <typename T>
+int64_t rope_vec(T* x, const T* c, const T* s, int64_t half) {
+  int64_t j = 0;
+  for (; j + LANES <= half; j += LANES) {
+    const __m512 x1 = load16(x + j), x2 = load16(x + j + half);
+    const __m512 a1 = round16(_mm512_mul_ps(x1, load16(c + j)), T{});
+    const __m512 b1 = round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + j)), T{});
+    const __m512 a2 = round16(_mm512_mul_ps(x2, load16(c + j + half)), T{});
+    const __m512 b2 = round16(_mm512_mul_ps(x1, load16(s + j + half)), T{});
+    store16(x + j, _mm512_add_ps(a1, b1));
+    store16(x + j + half, _mm512_add_ps(a2, b2));
+  }
+  return j;
+}
 #else
 template <typename T>
 int64_t silu_mul_vec(const T*, const T*, int64_t, T*) { return 0; }
+template <typename T>
+int64_t rope_vec(T*, const T*, const T*, int64_t) { return 0; }
 #endif
 
 }  // namespace
@@ -492,7 +511,7 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tens
         T* x = base + t * stride + h * head_dim;
         const T* c = cp + pp[t] * head_dim;
         const T* s = sp + pp[t] * head_dim;
-        for (int64_t j = 0; j < half; ++j) {
+        for (int64_t j = rope_vec(x, c, s, half); j < half; ++j) {
           const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
           const float a1 = round_to<T>(x1 * to_float(c[j])), b1 = round_to<T>(-x2 * to_float(s[j]));
           const float a2 = round_to<T>(x2 * to_float(c[j + half])), b2 = round_to<T>(x1 * to_float(s[j + half]));
@@ -849,7 +868,8 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 bool packed_linear_supported(const torch::Tensor& weight);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias);
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
+                            int64_t next_N, bool float_out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
@@ -868,7 +888,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W (4 or 8 bits), int8 activations per 32-block");
   m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
   m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
-  m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions");
+  m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions",
+        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("next") = py::none(),
+        py::arg("next_N") = 0, py::arg("float_out") = false);
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

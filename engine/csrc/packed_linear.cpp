@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -84,13 +85,26 @@ inline void store16(bf16_t* y, __m512 v, __mmask16 mask) {
 }
 #endif
 
+// An output of T x T products stored as Y: float32 outputs of bfloat16 inputs hold the bfloat16 rounding,
+// the same values as a bfloat16 output read back as float32.
+template <typename T, typename Y>
+inline void store_out(Y* y, __m512 v, __mmask16 mask) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<Y, float>) {
+    const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    v = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  }
+#endif
+  store16(y, v, mask);
+}
+
 // R rows of x against one panel: y[0..R) x [0, cols), `cols` < NR only in the last panel.
 // `next`: the slice of the next panel this tile fetches into L2 while it computes, `next_lines` cache lines
 // per step (null: none). Without it a panel's first tile waits on memory and its other tiles on the
 // multipliers, one after the other; with it the stream and the arithmetic overlap (16 rows: 15.6 -> 13.0
 // ms for the default model's matrices, bfloat16, on a 2-core EPYC).
-template <typename T, int R>
-inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, T* y,
+template <typename T, int R, typename Y>
+inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
                   int64_t ldy, const char* next, int next_lines) {
   using St = Step<T>;
   __m512 acc[R][NV];
@@ -110,33 +124,42 @@ inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const fl
     }
   }
   for (int v = 0; v < NV && v * 16 < cols; ++v)
-    for (int r = 0; r < R; ++r) store16(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
+    for (int r = 0; r < R; ++r) store_out<T>(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
 }
 
+// What a thread fetches while it works on its last panel: its first panel of the layer that comes next.
+struct Tail {
+  const char* data = nullptr;
+  int64_t bytes = 0;
+};
+
 // Rows [m0, m1) of x against panels [p0, p1): each panel is read from memory once and meets the rows MR at a
-// time from L2; the tiles of one panel share out the prefetch of the next.
-template <typename T>
+// time from L2; the tiles of one panel share out the prefetch of the next, and those of the last panel the
+// prefetch of `tail`.
+template <typename T, typename Y>
 void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0, int64_t p1,
-            const float* bias, int64_t N, T* y) {
+            const float* bias, int64_t N, Y* y, Tail tail) {
   const int64_t panel_size = steps * NR * Step<T>::S;
   const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-  const int64_t lines = (panel_size * int64_t(sizeof(T)) + 63) / 64;
-  const int next_lines = static_cast<int>((lines + tiles * steps - 1) / (tiles * steps));
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
     const char* next = p + 1 < p1 && tiles > 1 ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
+    int64_t next_bytes = panel_size * int64_t(sizeof(T));
+    if (p + 1 == p1 && tail.data && tiles > 1) next = tail.data, next_bytes = tail.bytes;
+    const int64_t lines = (next_bytes + 63) / 64;
+    const int next_lines = static_cast<int>((lines + tiles * steps - 1) / (tiles * steps));
     const int64_t n0 = p * NR, cols = std::min<int64_t>(NR, N - n0);
     const float* b = bias ? bias + n0 : nullptr;
     for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
       const char* pf = next ? next + t * steps * next_lines * 64 : nullptr;
       if (pf && pf >= next + lines * 64) pf = nullptr;
       const T* xm = x + m * K;
-      T* ym = y + m * N + n0;
+      Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {
-        case 1: micro<T, 1>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        case 2: micro<T, 2>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        case 3: micro<T, 3>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        default: micro<T, MR>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 1: micro<T, 1, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 2: micro<T, 2, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 3: micro<T, 3, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        default: micro<T, MR, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
       }
     }
   }
@@ -159,6 +182,17 @@ void pack(const T* w, int64_t N, int64_t K, int64_t S, T* out) {
           }
   });
 }
+
+#if defined(__AVX512F__)
+// Thread `tid` of `threads`' first panel in a call on `next` (rows of x in one block of M_BLOCK, as decode has).
+Tail tail_of(const c10::optional<torch::Tensor>& next, int64_t next_N, int64_t tid, int64_t threads) {
+  if (!next.has_value() || !next->defined() || next_N <= 0 || !next->is_contiguous()) return {};
+  const int64_t num_panels = (next_N + NR - 1) / NR, chunk = (num_panels + threads - 1) / threads;
+  if (tid * chunk >= num_panels) return {};
+  const int64_t panel_bytes = next->numel() * next->element_size() / num_panels;
+  return {static_cast<const char*>(next->data_ptr()) + tid * chunk * panel_bytes, panel_bytes};
+}
+#endif
 
 }  // namespace
 
@@ -183,9 +217,14 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   return out;
 }
 
-// x [M, K] against packed panels of an [N, K] weight -> [M, N]; float32 accumulation, rounded once.
+// x [M, K] against packed panels of an [N, K] weight -> [M, N]; float32 accumulation, rounded once to x's dtype.
+// `float_out`: the result as float32 (still rounded to x's dtype), as logits are wanted, without a second pass.
+// `next`: the packed weight of the layer that runs next (its [N', K'] has next_N rows). Each thread starts a
+// call on a cold first panel, with nothing to overlap its fetch with; here it fetches that panel of the next
+// call while it computes its last one (at::parallel_for gives thread t the t-th equal run of panels).
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias) {
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
+                            int64_t next_N, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x and weight dtypes differ");
   TORCH_CHECK(packed_linear_supported(packed), "packed_linear: no packed kernel here for ", packed.scalar_type());
@@ -196,7 +235,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t steps = (K + S - 1) / S, num_panels = (N + NR - 1) / NR;
   TORCH_CHECK(packed.numel() == num_panels * steps * NR * S, "packed_linear: the packed weight is not [", N, ", ", K,
               "]");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   auto xc = x.contiguous();
   if (K % S) {  // an odd K: x gets the zero column the panels were padded with
@@ -211,28 +250,34 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 #if defined(__AVX512F__)
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t m_blocks = (M + M_BLOCK - 1) / M_BLOCK;
-  auto run = [&](auto tag) {
+  auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
+    using Y = decltype(out_tag);
     const T* xp = reinterpret_cast<const T*>(xc.data_ptr());
     const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
-    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    Y* yp = reinterpret_cast<Y*>(y.data_ptr());
     // Work items are (row block, panel) pairs, panel-major within a row block, so each thread streams
     // its own run of panels from memory.
     at::parallel_for(0, m_blocks * num_panels, 1, [&](int64_t i0, int64_t i1) {
+      const Tail tail = tail_of(next, next_N, at::get_thread_num(), at::get_num_threads());
       for (int64_t i = i0; i < i1;) {
         const int64_t mb = i / num_panels, p = i % num_panels;
         const int64_t p1 = std::min<int64_t>(num_panels, p + (i1 - i));
-        panels<T>(xp, K, mb * M_BLOCK, std::min<int64_t>(M, (mb + 1) * M_BLOCK), wp, steps, p, p1, bp, N, yp);
+        panels<T, Y>(xp, K, mb * M_BLOCK, std::min<int64_t>(M, (mb + 1) * M_BLOCK), wp, steps, p, p1, bp, N, yp,
+                  p1 - p == i1 - i ? tail : Tail{});
         i += p1 - p;
       }
     });
   };
   if (S == 2) {
 #if defined(__AVX512BF16__)
-    run(bf16_t{});
+    if (float_out)
+      run(bf16_t{}, float{});
+    else
+      run(bf16_t{}, bf16_t{});
 #endif
   } else {
-    run(float{});
+    run(float{}, float{});
   }
 #endif
   return y;

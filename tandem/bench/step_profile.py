@@ -67,6 +67,12 @@ class TimedKernels:
         moved = weight.nbytes + (m * k + m * n) * x.element_size()
         return self.rec.timed("linear", lambda: self.inner.linear(x, weight, bias), moved, 2.0 * m * n * k)
 
+    def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0]
+        moved = weight.nbytes + m * k * x.element_size() + m * n * 4
+        return self.rec.timed("linear", lambda: self.inner.logits(x, weight), moved, 2.0 * m * n * k)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rec.timed("norm/rope/act", lambda: self.inner.rms_norm(x, weight, eps), 2 * x.nbytes)
 

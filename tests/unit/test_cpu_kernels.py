@@ -93,6 +93,57 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
         assert torch.equal(ops.packed_linear(x[rows], w, 200, None), whole[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_packed_linear_prefetching_the_next_weight_changes_no_bit(ops, dtype, rows):
+    """``next`` only fetches: the same result with the next weight named, whatever its shape, with one too
+    small to give every thread a panel, or with nonsense (a plain tensor, a negative row count)."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
+        pytest.skip(f"this CPU has no packed kernel for {dtype}")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    w = ops.pack_linear_weight((torch.randn(960, 576, generator=g) / 24).to(dtype))
+    want = ops.packed_linear(x, w, 960, None)
+    for nxt, n in [(ops.pack_linear_weight(torch.randn(3072, 576).to(dtype)), 3072),
+                   (ops.pack_linear_weight(torch.randn(576, 1536).to(dtype)), 576),
+                   (ops.pack_linear_weight(torch.randn(40, 64).to(dtype)), 40),
+                   (w, 960), (torch.ones(5, dtype=dtype), 7), (w, -3)]:
+        assert torch.equal(ops.packed_linear(x, w, 960, None, nxt, n), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [(1, 49152), (16, 200), (5, 13)])
+def test_packed_linear_float_out_is_the_output_read_as_float32(ops, kernels, dtype, rows, n):
+    """Logits come out float32 in one pass, holding exactly the values of the dtype's output widened."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
+        pytest.skip(f"this CPU has no packed kernel for {dtype}")
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    w = ops.pack_linear_weight((torch.randn(n, 64, generator=g) / 8).to(dtype))
+    got = ops.packed_linear(x, w, n, None, float_out=True)
+    assert got.dtype == torch.float32 and torch.equal(got, ops.packed_linear(x, w, n, None).float())
+    cpu, ref = kernels
+    plain = (torch.randn(n, 64, generator=g) / 8).to(dtype)
+    assert torch.equal(cpu.logits(x, cpu.prepare_weight(plain)), cpu.linear(x, cpu.prepare_weight(plain)).float())
+    assert torch.equal(ref.logits(x, plain), ref.linear(x, plain).float())
+
+
+def test_cpu_kernels_chain_tells_each_packed_weight_the_next(kernels):
+    """The last leads back to the first (the next step's first layer); weights in other layouts are kept."""
+    cpu, ref = kernels
+    ws = [cpu.prepare_weight(torch.randn(n, 64)) for n in (96, 200, 7)]
+    if torch.float32 not in cpu.packed:
+        assert cpu.chain(ws) == ws
+        return
+    plain = torch.randn(5, 64)
+    a, b, c, d = cpu.chain([*ws, plain])
+    assert (a.next_data, a.next_rows) == (ws[1].data, 200) and (b.next_data, b.next_rows) == (ws[2].data, 7)
+    assert c.next_data is None and d is plain
+    x = torch.randn(4, 64)
+    close(cpu.linear(x, a), cpu.linear(x, ws[0]), 0)
+    assert ref.chain(ws) == ws
+
+
 def test_packed_linear_rejects_a_weight_of_another_shape(ops):
     w = ops.pack_linear_weight(torch.ones(8, 64))
     with pytest.raises(RuntimeError, match="packed weight is not"):
@@ -158,10 +209,12 @@ def test_norms_and_activation(kernels, dtype, tol, rows):
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_rope_in_place_on_strided_rows(kernels, dtype, tol):
-    """q and k heads rotated in place inside the fused qkv rows; v untouched."""
+@pytest.mark.parametrize("dim", [32, 40, 64, 6])  # halves of 16 lanes, 16 and a scalar tail, 32, only a tail
+def test_rope_in_place_on_strided_rows(kernels, dtype, tol, dim):
+    """q and k heads rotated in place inside the fused qkv rows; v untouched. Each product and their sum
+    are rounded to the dtype as eager ops round them, so the two agree bit for bit."""
     cpu, ref = kernels
-    heads, dim, width = 5, 32, 7 * 32  # 5 rotated heads (q + k), 2 value heads
+    heads, width = 5, 7 * dim  # 5 rotated heads (q + k), 2 value heads
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(11, width, generator=g).to(dtype)
     pos = torch.tensor([0, 1, 2, 3, 50, 51, 52, 99, 7, 8, 9])
@@ -172,6 +225,7 @@ def test_rope_in_place_on_strided_rows(kernels, dtype, tol):
     cpu.rope_(a, cpu.rope_tables(cos, sin, pos), heads, dim)
     ref.rope_(b, ref.rope_tables(cos, sin, pos), heads, dim)
     close(a, b, tol)
+    assert torch.equal(a, b)
     assert torch.equal(a[:, heads * dim :], qkv[:, heads * dim :])
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu.rope_(a, cpu.rope_tables(cos, sin, torch.full((11,), 100)), heads, dim)

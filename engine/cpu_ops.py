@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "simd_math.h"]  # not compiled on their own; part of the build's key
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.
@@ -32,7 +33,7 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 def build_dir(cache_dir: Path | str | None = None) -> Path:
     """This source's and this CPU's build folder under ``cache_dir``."""
-    key = b"".join(src.read_bytes() for src in SOURCES) + " ".join(CFLAGS).encode() + cpu_flags().encode()
+    key = b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(CFLAGS).encode() + cpu_flags().encode()
     return Path(cache_dir or DEFAULT_CACHE_DIR) / f"cpu_ops-{hashlib.sha256(key).hexdigest()[:16]}"
 
 

@@ -39,6 +39,9 @@ class PackedWeight:
     # finishes this one (see ``TorchKernels.chain``).
     next_data: torch.Tensor | None = None
     next_rows: int = 0
+    # > 0: a gate_up weight laid out for ``packed_linear_silu`` (``CpuKernels.prepare_gate_up``); its product is
+    # silu(gate) * up, this many columns, and ``linear`` refuses it.
+    silu_cols: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,6 +104,14 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def prepare_gate_up(self, weight: Weight) -> Weight:
+        """The MLP's fused [gate; up] weight in the layout ``gate_up_silu`` reads fastest (once, at load)."""
+        return self.prepare_weight(weight)
+
+    def gate_up_silu(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """silu(x gate^T) * (x up^T): the MLP up to its down projection."""
+        return self.silu_mul(self.linear(x, weight))
+
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
         """Per-step RoPE inputs, computed once and shared by every layer."""
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -143,6 +154,8 @@ class CpuKernels(TorchKernels):
         if isinstance(weight, QuantizedWeight):
             return self.qlinear(x, weight, bias)
         if isinstance(weight, PackedWeight):
+            if weight.silu_cols:
+                raise ValueError("this gate_up weight is packed for gate_up_silu, not for linear")
             return self.ops.packed_linear(x, weight.data, weight.rows, bias, weight.next_data, weight.next_rows)
         if x.dtype != weight.dtype or x.shape[0] > self.small_m.get(x.dtype, 0):
             return F.linear(x, weight, bias)  # a GEMM's register blocking wins once there are many rows
@@ -161,6 +174,25 @@ class CpuKernels(TorchKernels):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in self.packed:
             return weight
         return PackedWeight(self.ops.pack_linear_weight(weight), weight.shape[0], weight.shape[1])
+
+    def prepare_gate_up(self, weight: Weight) -> Weight:
+        """Gate and up rows interleaved by half-panels (zero rows past I), so that one panel's accumulators
+        hold matching gate and up columns and the kernel applies the activation before it stores: the [T, 2I]
+        projection is never written nor read back, and the separate silu_mul call is gone."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in self.packed \
+                or weight.shape[0] % 2:
+            return self.prepare_weight(weight)
+        half, k = weight.shape[0] // 2, weight.shape[1]
+        h = self.ops.packed_silu_half_panel()
+        panels = -(-half // h)
+        halves = [F.pad(part, (0, 0, 0, panels * h - half)).view(panels, h, k) for part in weight.split(half)]
+        rows = torch.stack(halves, dim=1).reshape(2 * panels * h, k)
+        return PackedWeight(self.ops.pack_linear_weight(rows), rows.shape[0], k, silu_cols=half)
+
+    def gate_up_silu(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, PackedWeight) and weight.silu_cols:
+            return self.ops.packed_linear_silu(x, weight.data, weight.silu_cols, weight.next_data, weight.next_rows)
+        return super().gate_up_silu(x, weight)
 
     def chain(self, weights: list[Weight]) -> list[Weight]:
         """A call starts on a cold panel with nothing to overlap its fetch with (a tenth to a third of each of

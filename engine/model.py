@@ -49,7 +49,8 @@ class LlamaModel:
         self.kernels = kernels or TorchKernels()
         for layer in layers:
             for name in LayerWeights.LINEARS:
-                setattr(layer, name, self.kernels.prepare_weight(getattr(layer, name)))
+                prepare = self.kernels.prepare_gate_up if name == "gate_up" else self.kernels.prepare_weight
+                setattr(layer, name, prepare(getattr(layer, name)))
         self.layers = layers
         self.norm = norm
         # None on tensor-parallel ranks other than 0: they sample nothing
@@ -104,7 +105,7 @@ class LlamaModel:
             q, k, v = qkv.view(n, heads + 2 * kv_heads, d).split(split, dim=1)  # views, in one call
             delta = self._reduced(ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj))
             h = self._norm(x, delta, layer.post_norm)
-            delta = self._reduced(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
+            delta = self._reduced(ops.linear(ops.gate_up_silu(h, layer.gate_up), layer.down))
         return self._norm(x, delta, self.norm)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:

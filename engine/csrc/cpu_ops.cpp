@@ -31,6 +31,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_math.h"
+
+#if defined(__AVX512F__)
+using tandem_simd::exp16;
+using tandem_simd::round16;
+#endif
+
 namespace {
 
 using bf16_t = uint16_t;
@@ -392,48 +399,33 @@ torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta,
 namespace {
 
 #if defined(__AVX512F__)
-// exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part constant), a degree-6 Taylor polynomial of
-// e^r on |r| <= ln2 / 2, scaled by 2^n. Within 2 ulp of expf; glibc's vector expf is only used under
-// -ffast-math, which would also reorder the reductions, so the scalar loop called expf one value at a time.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 round16(__m512 v, float) { return v; }
-// Rounds to bfloat16 (nearest even, as from_float) and back; NaN stays NaN.
-inline __m512 round16(__m512 v, bf16_t) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, rounded, v);
-}
-
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const bf16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16_masked(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(bf16_t* p, __m512 v, __mmask16 m) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
+}
 inline void store16(bf16_t* p, __m512 v) {
   const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
 }
 
-// silu(gate) * up for the leading multiple of 16 columns; returns how many were done.
+// silu(gate) * up of a row's columns, 16 at a time; returns how many were done (all, on AVX-512).
 template <typename T>
 int64_t silu_mul_vec(const T* gate, const T* up, int64_t I, T* o) {
-  int64_t c = 0;
-  for (; c + LANES <= I; c += LANES) {
-    const __m512 g = load16(gate + c);
+  for (int64_t c = 0; c < I; c += LANES) {  // the last vector masked: every column through exp16 alike
+    const __mmask16 m = I - c >= LANES ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (I - c)) - 1);
+    const __m512 g = load16_masked(gate + c, m);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
-    store16(o + c, _mm512_mul_ps(silu, load16(up + c)));
+    store16_masked(o + c, _mm512_mul_ps(silu, load16_masked(up + c, m)), m);
   }
-  return c;
+  return I;
 }
 
 // Rotate-half RoPE of one head's leading multiple of 16 pairs, rounding where the scalar loop does (each
@@ -870,6 +862,9 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
                             int64_t next_N, bool float_out);
+torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
+                                 const c10::optional<torch::Tensor>& next, int64_t next_N);
+int64_t packed_silu_half_panel();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
@@ -891,6 +886,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("next") = py::none(),
         py::arg("next_N") = 0, py::arg("float_out") = false);
+  m.def("packed_linear_silu", &packed_linear_silu, "silu(x G^T) * (x U^T) on a gate_up weight in half-panels",
+        py::arg("x"), py::arg("packed"), py::arg("I"), py::arg("next") = py::none(), py::arg("next_N") = 0);
+  m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -30,10 +32,15 @@
 
 namespace {
 
+// What a micro-tile writes: its outputs as they are, or (gate_up panels, see CpuKernels.prepare_gate_up)
+// silu(gate) * up of the panel's two halves.
+enum class Out { Plain, SiluMul };
+
 using bf16_t = uint16_t;
 
 constexpr int NV = 6;         // vectors of 16 output columns per panel
 constexpr int NR = 16 * NV;   // output columns per panel
+static_assert(NV % 2 == 0, "packed_linear_silu splits a panel's vectors into gate and up halves");
 constexpr int MR = 4;         // rows of x per micro-tile
 // Rows of x per pass over a panel: the panel (NR x K, 110-300 KB at the default model's K) stays
 // in L2 while these rows go by, and is read from memory once.
@@ -98,12 +105,22 @@ inline void store_out(Y* y, __m512 v, __mmask16 mask) {
   store16(y, v, mask);
 }
 
-// R rows of x against one panel: y[0..R) x [0, cols), `cols` < NR only in the last panel.
+// silu(gate) * up with the roundings of the unfused ops: the projection's outputs, the SiLU, the product.
+template <typename T>
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  using tandem_simd::round16;
+  const __m512 g = round16(gate, T{}), u = round16(up, T{});
+  const __m512 e = tandem_simd::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{}), u);
+}
+
+// R rows of x against one panel: y[0..R) x [0, cols), `cols` < NR only in the last panel (< NR / 2 for
+// Out::SiluMul, whose outputs are half the panel's columns).
 // `next`: the slice of the next panel this tile fetches into L2 while it computes, `next_lines` cache lines
 // per step (null: none). Without it a panel's first tile waits on memory and its other tiles on the
 // multipliers, one after the other; with it the stream and the arithmetic overlap (16 rows: 15.6 -> 13.0
 // ms for the default model's matrices, bfloat16, on a 2-core EPYC).
-template <typename T, int R, typename Y>
+template <typename T, int R, typename Y, Out O>
 inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
                   int64_t ldy, const char* next, int next_lines) {
   using St = Step<T>;
@@ -123,8 +140,14 @@ inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const fl
       for (int v = 0; v < NV; ++v) acc[r][v] = St::fma(acc[r][v], w + v * 16 * St::S, xv);
     }
   }
-  for (int v = 0; v < NV && v * 16 < cols; ++v)
-    for (int r = 0; r < R; ++r) store_out<T>(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
+  if constexpr (O == Out::SiluMul) {
+    for (int v = 0; v < NV / 2 && v * 16 < cols; ++v)
+      for (int r = 0; r < R; ++r)
+        store_out<T>(y + r * ldy + v * 16, silu_mul16<T>(acc[r][v], acc[r][v + NV / 2]), columns(cols - v * 16));
+  } else {
+    for (int v = 0; v < NV && v * 16 < cols; ++v)
+      for (int r = 0; r < R; ++r) store_out<T>(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
+  }
 }
 
 // What a thread fetches while it works on its last panel: its first panel of the layer that comes next.
@@ -136,9 +159,10 @@ struct Tail {
 // Rows [m0, m1) of x against panels [p0, p1): each panel is read from memory once and meets the rows MR at a
 // time from L2; the tiles of one panel share out the prefetch of the next, and those of the last panel the
 // prefetch of `tail`.
-template <typename T, typename Y>
+template <typename T, typename Y, Out O>
 void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0, int64_t p1,
             const float* bias, int64_t N, Y* y, Tail tail) {
+  constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;  // outputs per panel; N counts outputs
   const int64_t panel_size = steps * NR * Step<T>::S;
   const int64_t tiles = (m1 - m0 + MR - 1) / MR;
   for (int64_t p = p0; p < p1; ++p) {
@@ -148,7 +172,7 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
     if (p + 1 == p1 && tail.data && tiles > 1) next = tail.data, next_bytes = tail.bytes;
     const int64_t lines = (next_bytes + 63) / 64;
     const int next_lines = static_cast<int>((lines + tiles * steps - 1) / (tiles * steps));
-    const int64_t n0 = p * NR, cols = std::min<int64_t>(NR, N - n0);
+    const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     const float* b = bias ? bias + n0 : nullptr;
     for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
       const char* pf = next ? next + t * steps * next_lines * 64 : nullptr;
@@ -156,10 +180,10 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
       const T* xm = x + m * K;
       Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {
-        case 1: micro<T, 1, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        case 2: micro<T, 2, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        case 3: micro<T, 3, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
-        default: micro<T, MR, Y>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 1: micro<T, 1, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 2: micro<T, 2, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        case 3: micro<T, 3, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
+        default: micro<T, MR, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, next_lines); break;
       }
     }
   }
@@ -217,24 +241,21 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   return out;
 }
 
-// x [M, K] against packed panels of an [N, K] weight -> [M, N]; float32 accumulation, rounded once to x's dtype.
-// `float_out`: the result as float32 (still rounded to x's dtype), as logits are wanted, without a second pass.
-// `next`: the packed weight of the layer that runs next (its [N', K'] has next_N rows). Each thread starts a
-// call on a cold first panel, with nothing to overlap its fetch with; here it fetches that panel of the next
-// call while it computes its last one (at::parallel_for gives thread t the t-th equal run of panels).
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
-                            int64_t next_N, bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x and weight dtypes differ");
-  TORCH_CHECK(packed_linear_supported(packed), "packed_linear: no packed kernel here for ", packed.scalar_type());
-  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(),
-              "packed_linear: the weight must come from pack_linear_weight");
+namespace {
+
+// The work of packed_linear and packed_linear_silu: x [M, K] against `num_panels` packed panels -> [M, N] outputs.
+template <Out O>
+torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                         int64_t num_panels, const c10::optional<torch::Tensor>& bias,
+                         const c10::optional<torch::Tensor>& next, int64_t next_N, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), op, ": x and weight dtypes differ");
+  TORCH_CHECK(packed_linear_supported(packed), op, ": no packed kernel here for ", packed.scalar_type());
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), op, ": the weight must come from pack_linear_weight");
   const int64_t M = x.size(0), S = step_of(x);
   int64_t K = x.size(1);
-  const int64_t steps = (K + S - 1) / S, num_panels = (N + NR - 1) / NR;
-  TORCH_CHECK(packed.numel() == num_panels * steps * NR * S, "packed_linear: the packed weight is not [", N, ", ", K,
-              "]");
+  const int64_t steps = (K + S - 1) / S;
+  TORCH_CHECK(packed.numel() == num_panels * steps * NR * S, op, ": the packed weight is not [", N, ", ", K, "]");
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   auto xc = x.contiguous();
@@ -244,7 +265,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   }
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "packed_linear: bias must have one value per output");
+    TORCH_CHECK(bias->numel() == N, op, ": bias must have one value per output");
     b = bias->to(torch::kFloat).contiguous();
   }
 #if defined(__AVX512F__)
@@ -263,8 +284,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
       for (int64_t i = i0; i < i1;) {
         const int64_t mb = i / num_panels, p = i % num_panels;
         const int64_t p1 = std::min<int64_t>(num_panels, p + (i1 - i));
-        panels<T, Y>(xp, K, mb * M_BLOCK, std::min<int64_t>(M, (mb + 1) * M_BLOCK), wp, steps, p, p1, bp, N, yp,
-                  p1 - p == i1 - i ? tail : Tail{});
+        panels<T, Y, O>(xp, K, mb * M_BLOCK, std::min<int64_t>(M, (mb + 1) * M_BLOCK), wp, steps, p, p1, bp, N, yp,
+                        p1 - p == i1 - i ? tail : Tail{});
         i += p1 - p;
       }
     });
@@ -282,3 +303,29 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 #endif
   return y;
 }
+
+}  // namespace
+
+// x [M, K] against packed panels of an [N, K] weight -> [M, N]; float32 accumulation, rounded once to x's dtype.
+// `float_out`: the result as float32 (still rounded to x's dtype), as logits are wanted, without a second pass.
+// `next`: the packed weight of the layer that runs next (its [N', K'] has next_N rows). Each thread starts a
+// call on a cold first panel, with nothing to overlap its fetch with; here it fetches that panel of the next
+// call while it computes its last one (at::parallel_for gives thread t the t-th equal run of panels).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
+                            int64_t next_N, bool float_out) {
+  return run_packed<Out::Plain>("packed_linear", x, packed, N, (N + NR - 1) / NR, bias, next, next_N, float_out);
+}
+
+// silu(x G^T) * (x U^T) -> [M, I] for a gate_up weight [G; U] (each [I, K]) packed with each panel holding
+// NR / 2 columns of G and then the same columns of U (zero rows past I): the MLP's activation done on the
+// accumulators, without writing the [M, 2I] projection and reading it back. Same bits as packed_linear then
+// silu_mul.
+torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
+                                 const c10::optional<torch::Tensor>& next, int64_t next_N) {
+  return run_packed<Out::SiluMul>("packed_linear_silu", x, packed, I, (I + NR / 2 - 1) / (NR / 2), c10::nullopt,
+                                  next, next_N, false);
+}
+
+// Columns per half-panel of packed_linear_silu's layout (the rows of G, then of U, that one panel holds).
+int64_t packed_silu_half_panel() { return NR / 2; }

@@ -67,6 +67,13 @@ class TimedKernels:
         moved = weight.nbytes + (m * k + m * n) * x.element_size()
         return self.rec.timed("linear", lambda: self.inner.linear(x, weight, bias), moved, 2.0 * m * n * k)
 
+    def gate_up_silu(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """The gate/up projection with its activation (fused into the matmul on packed weights): "linear"."""
+        m, k = x.shape
+        n = weight.shape[0]
+        moved = weight.nbytes + (m * k + m * n // 2) * x.element_size()
+        return self.rec.timed("linear", lambda: self.inner.gate_up_silu(x, weight), moved, 2.0 * m * n * k)
+
     def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]

@@ -128,6 +128,40 @@ def test_packed_linear_float_out_is_the_output_read_as_float32(ops, kernels, dty
     assert torch.equal(ref.logits(x, plain), ref.linear(x, plain).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+@pytest.mark.parametrize("inter, k", [(1536, 576), (50, 64), (7, 33)])  # whole half-panels, a part-filled one, odd k
+def test_gate_up_silu_is_the_projection_then_silu_mul_bit_for_bit(ops, kernels, dtype, rows, inter, k):
+    """The activation on the accumulators rounds where the two unfused ops do (projection, SiLU, product)."""
+    cpu, ref = kernels
+    if dtype not in cpu.packed:
+        pytest.skip(f"this CPU has no packed kernel for {dtype}")
+    g = torch.Generator().manual_seed(rows * inter + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5 * 3).to(dtype)
+    fused = cpu.prepare_gate_up(w)
+    assert fused.silu_cols == inter and fused.cols == k
+    got = cpu.gate_up_silu(x, fused)
+    want = ops.silu_mul(ops.packed_linear(x, ops.pack_linear_weight(w), 2 * inter, None))
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    assert torch.equal(got, want)
+    close(got, ref.gate_up_silu(x, w), 1e-4 if dtype == torch.float32 else 2e-2)  # eager sums in another order
+    with pytest.raises(ValueError, match="gate_up_silu"):
+        cpu.linear(x, fused)
+
+
+def test_gate_up_silu_falls_back_to_the_projection_then_silu_mul(kernels):
+    """Weights the fused layout does not take (an odd row count: packed plainly; a dtype without a packed kernel:
+    kept as is) give the projection followed by silu_mul."""
+    cpu, ref = kernels
+    odd, half = torch.randn(7, 32), torch.randn(8, 32, dtype=torch.float16)
+    assert cpu.prepare_gate_up(half) is half and ref.prepare_gate_up(odd) is odd
+    assert getattr(cpu.prepare_gate_up(odd), "silu_cols", 0) == 0
+    x = torch.randn(2, 32)
+    w = cpu.prepare_weight(torch.randn(8, 32))
+    assert torch.equal(cpu.gate_up_silu(x, w), cpu.silu_mul(cpu.linear(x, w)))
+
+
 def test_cpu_kernels_chain_tells_each_packed_weight_the_next(kernels):
     """The last leads back to the first (the next step's first layer); weights in other layouts are kept."""
     cpu, ref = kernels

@@ -1,0 +1,40 @@
+// Vector math shared by the kernels of cpu_ops.cpp and packed_linear.cpp (AVX-512 builds only): exp and the
+// rounding to bfloat16 that eager ops apply between steps, so fused kernels give the same bits.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tandem_simd {
+
+using bf16_t = uint16_t;
+
+// exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part constant), a degree-6 Taylor polynomial of
+// e^r on |r| <= ln2 / 2, scaled by 2^n. Within 2 ulp of expf; glibc's vector expf is only used under
+// -ffast-math, which would also reorder the reductions, so the scalar loop called expf one value at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round16(__m512 v, float) { return v; }
+// Rounds to bfloat16 (nearest even, as from_float) and back; NaN stays NaN.
+inline __m512 round16(__m512 v, bf16_t) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, rounded, v);
+}
+
+}  // namespace tandem_simd
+#endif

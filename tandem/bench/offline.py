@@ -301,7 +301,8 @@ def run_step_profile(args: argparse.Namespace, bw: float) -> list[dict]:
     results = []
     for dtype in args.dtypes.split(","):
         r = step_profile(lambda **o: Engine(EngineConfig(**{**base, **o})), dtype,
-                         config.model_config.vocab_size, args.seed, bw, batches)
+                         config.model_config.vocab_size, args.seed, bw, batches,
+                         measure_bw=lambda: read_bandwidth_gbps(torch.get_num_threads(), args.device))
         results.append({**r, "isa": isa})
         print(format_profile(r), file=sys.stderr)
     return results

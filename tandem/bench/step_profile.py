@@ -2,7 +2,8 @@
 
 The engine runs a real batch (N requests with 128-token prompts, decoding) while thin wrappers around its
 kernels, attention backend and sampler time every call. Each op class is set against its own roofline,
-``max(bytes / read bandwidth, FLOPs / GEMM rate)``, with both rates measured in the same run: a step far
+``max(bytes / read bandwidth, FLOPs / GEMM rate)``, with both rates measured in the same run (the GEMM rate
+as the faster of oneDNN and the engine's own kernel, the bandwidth just before each batch): a step far
 from the sum of those rooflines shows which op to fix. "other" is what the step spends outside the
 timed ops (metadata, embedding, Python between calls). Prefill of a 1,024-token prompt is profiled the
 same way and its FLOP rate set against the measured GEMM rate.
@@ -37,6 +38,8 @@ class OpCost:
 @dataclass(slots=True)
 class Recorder:
     costs: dict[str, OpCost] = field(default_factory=lambda: defaultdict(OpCost))
+    plain: tuple = ()  # the engine's kernels, attention backend and sampler, unwrapped (see ``instrument``)
+    timed_parts: tuple = ()
 
     def timed(self, op: str, fn: Callable[[], Any], nbytes: float = 0.0, flops: float = 0.0) -> Any:
         t = time.perf_counter()
@@ -132,20 +135,35 @@ class TimedSampler:
 
 
 def instrument(engine: Engine) -> Recorder:
-    """Wrap ``engine``'s kernels, attention and sampler in timers (for the rest of its life)."""
+    """Wrap ``engine``'s kernels, attention and sampler in timers (for the rest of its life; ``timing`` switches
+    them off and on)."""
     rec = Recorder()
     runner = engine.runner
+    rec.plain = (runner.model.kernels, runner.attn, engine.sampler)
     runner.model.kernels = TimedKernels(runner.model.kernels, rec)
     runner.attn = TimedAttention(runner.attn, rec)
     engine.sampler = TimedSampler(engine.sampler, rec)
+    rec.timed_parts = (runner.model.kernels, runner.attn, engine.sampler)
     return rec
 
 
-def gemm_rate_gflops(dtype: torch.dtype, m: int = 1024, k: int = 2048, n: int = 2048) -> float:
-    """Best of 5 ``torch.mm`` (oneDNN on CPU) at a prefill-like shape: what the machine's GEMM reaches."""
+def timing(engine: Engine, rec: Recorder, on: bool) -> None:
+    """The engine's own kernels, attention and sampler (off) or their timed wrappers (on)."""
+    kernels, attn, sampler = rec.timed_parts if on else rec.plain
+    engine.runner.model.kernels, engine.runner.attn, engine.sampler = kernels, attn, sampler
+
+
+def gemm_rate_gflops(dtype: torch.dtype, kernels: Any = None, m: int = 1024, k: int = 2048, n: int = 2048) -> float:
+    """Best of 5 ``torch.mm`` (oneDNN on CPU) at a prefill-like shape, or of the engine's own linear kernel on
+    the same shape where that is faster (the packed float32 kernel runs ~2x oneDNN's float32 GEMM): what this
+    machine's GEMM reaches, so that no op can beat its roofline by running a faster kernel than the yardstick's."""
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     torch.mm(a, b)
     best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(5))
+    if kernels is not None:
+        w = kernels.prepare_weight(b.t().contiguous())
+        kernels.linear(a, w)
+        best = min(best, *(_seconds(lambda: kernels.linear(a, w)) for _ in range(5)))
     return 2.0 * m * k * n / best / 1e9
 
 
@@ -157,26 +175,30 @@ def _seconds(fn: Callable[[], Any]) -> float:
 
 def profile_decode(engine: Engine, rec: Recorder, batch: int, vocab: int, seed: int, steps: int,
                    bw: float, gemm: float) -> dict:
-    """Median step of ``steps`` decode steps with ``batch`` requests running (all of them decoding: none ends
-    while later prompts are still being prefilled, and the rest are aborted after)."""
+    """The median of ``steps`` plain decode steps with ``batch`` requests running (all of them decoding: none ends
+    while later prompts are still being prefilled, and the rest are aborted after), and the op costs of the
+    median of as many timed steps taken in between. "other" is the plain step less the timed ops."""
     rng = random.Random(seed)
     budget = engine.config.max_num_batched_tokens
-    params = SamplingParams(max_tokens=prefill_steps(batch, budget) + steps + 4, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=prefill_steps(batch, budget) + 2 * steps + 4, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(100, vocab - 100) for _ in range(PROMPT_LEN)], params)
            for _ in range(batch)]
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
-    per_step: list[dict[str, OpCost]] = []
-    totals: list[float] = []
-    for _ in range(steps):
-        assert len(engine.scheduler.running) == batch
+    per_step: list[tuple[float, dict[str, OpCost]]] = []
+    plain: list[float] = []
+    for _ in range(steps):  # timed and plain steps alternate: the wrappers' own Python (~0.3 ms a step at batch
+        assert len(engine.scheduler.running) == batch  # 16) stays out of the step time
         rec.reset()
-        totals.append(_seconds(engine.step))
-        per_step.append({k: replace(v) for k, v in rec.costs.items()})
+        per_step.append((_seconds(engine.step), {k: replace(v) for k, v in rec.costs.items()}))
+        timing(engine, rec, False)
+        plain.append(_seconds(engine.step))
+        timing(engine, rec, True)
     for rid in ids:
         engine.abort(rid)
-    i = sorted(range(steps), key=totals.__getitem__)[steps // 2]  # the median step, whole
-    return {"batch": batch, **summarize(per_step[i], totals[i], bw, gemm)}
+    timed_s, costs = sorted(per_step, key=lambda p: p[0])[steps // 2]  # the median timed step's op costs
+    step_s = sorted(plain)[steps // 2]
+    return {"batch": batch, "timed_step_ms": timed_s * 1e3, **summarize(costs, step_s, bw, gemm)}
 
 
 def prefill_steps(batch: int, budget: int) -> int:
@@ -225,16 +247,22 @@ def summarize(costs: dict[str, OpCost], step_s: float, bw: float, gemm: float) -
 
 
 def step_profile(make: Callable[..., Engine], dtype: str, vocab: int, seed: int, bw: float,
-                 batches: tuple[int, ...] = BATCH_SIZES, steps: int = 12) -> dict:
-    """The decode profile at each batch size and the 1,024-token prefill, for one dtype."""
-    gemm = gemm_rate_gflops(getattr(torch, dtype))
+                 batches: tuple[int, ...] = BATCH_SIZES, steps: int = 12,
+                 measure_bw: Callable[[], float] | None = None) -> dict:
+    """The decode profile at each batch size and the 1,024-token prefill, for one dtype. With ``measure_bw``,
+    each batch's rooflines use the read bandwidth measured just before it: on a shared machine it moved
+    between 28 and 70 GB/s within minutes, and a roofline from another minute misstates the step's gap."""
     budget, most = max(1024, max(batches)), max(batches)
-    blocks = most * -(-(PROMPT_LEN + prefill_steps(most, budget) + steps + 8) // 16) + 128
+    blocks = most * -(-(PROMPT_LEN + prefill_steps(most, budget) + 2 * steps + 8) // 16) + 128
     engine = make(dtype=dtype, max_num_seqs=most, max_num_batched_tokens=budget, num_kv_blocks=blocks,
                   enable_prefix_caching=False)
+    gemm = gemm_rate_gflops(getattr(torch, dtype), engine.runner.model.kernels)
     rec = instrument(engine)
     engine.generate([[100 + i for i in range(32)]] * 2)  # warm-up
-    decode = [profile_decode(engine, rec, b, vocab, seed + b, steps, bw, gemm) for b in batches]
+    decode = []
+    for b in batches:
+        bw_now = measure_bw() if measure_bw else bw
+        decode.append({**profile_decode(engine, rec, b, vocab, seed + b, steps, bw_now, gemm), "read_bw_gbps": bw_now})
     prefill = profile_prefill(engine, rec, vocab, seed, bw, gemm)
     assert engine.num_free_blocks == engine.num_total_blocks
     return {"dtype": dtype, "gemm_gflop_s": gemm, "read_bw_gbps": bw, "decode": decode, "prefill": prefill}
@@ -246,12 +274,14 @@ def format_profile(result: dict) -> str:
              f"read {result['read_bw_gbps']:.1f} GB/s (same run)",
              "| batch | op | ms | share | GB/s | GFLOP/s | roofline ms | x roofline |",
              "|---|---|---|---|---|---|---|---|"]
+    bws = {round(d.get("read_bw_gbps", result["read_bw_gbps"]), 1) for d in result["decode"]}
     for d in result["decode"]:
         for name, o in d["ops"].items():
             over = "-" if o["over_roofline"] is None else f"{o['over_roofline']:.1f}x"
             lines.append(f"| {d['batch']} | {name} | {o['ms']:.2f} | {o['share'] * 100:.0f}% | {o['gb_s']:.1f} | "
                          f"{o['gflop_s']:.0f} | {o['roofline_ms']:.2f} | {over} |")
-        lines.append(f"| {d['batch']} | **step** | **{d['step_ms']:.2f}** | | | | {d['roofline_ms']:.2f} | "
+        read = f" (read {d['read_bw_gbps']:.1f} GB/s)" if len(bws) > 1 else ""
+        lines.append(f"| {d['batch']} | **step**{read} | **{d['step_ms']:.2f}** | | | | {d['roofline_ms']:.2f} | "
                      f"**{d['step_over_roofline']:.2f}x** |")
     p = result["prefill"]
     lines.append(f"prefill {p['prompt_tokens']} tokens: {p['step_ms']:.0f} ms, {p['tok_s']:.0f} tok/s, "

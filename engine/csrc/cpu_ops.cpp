@@ -866,6 +866,10 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
                                  const c10::optional<torch::Tensor>& next, int64_t next_N);
 int64_t packed_silu_half_panel();
 
+// prefill_attention.cpp
+bool prefill_attention_supported(const torch::Tensor& q);
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
   m.attr("NATIVE_BF16") = true;
@@ -888,6 +892,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("next_N") = 0, py::arg("float_out") = false);
   m.def("packed_linear_silu", &packed_linear_silu, "silu(x G^T) * (x U^T) on a gate_up weight in half-panels",
         py::arg("x"), py::arg("packed"), py::arg("I"), py::arg("next") = py::none(), py::arg("next_N") = 0);
+  m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention serves q's dtype and D");
+  m.def("prefill_attention", &prefill_attention, "causal GQA attention of the last L of C positions, packed panels");
   m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");

@@ -51,46 +51,16 @@ int64_t step_of(const torch::Tensor& t) { return t.scalar_type() == torch::kBFlo
 #if defined(__AVX512F__)
 constexpr bool PACKED = true;
 
-// One element step (S columns of x, S = 1 float32 or a bfloat16 pair) of the MR x NV block.
-template <typename T>
-struct Step;
-
-template <>
-struct Step<float> {
-  static constexpr int S = 1;
-  static __m512 bcast(const float* x) { return _mm512_set1_ps(*x); }
-  static __m512 fma(__m512 acc, const float* w, __m512 xv) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), xv, acc); }
-};
+using tandem_simd::Step;
 
 #if defined(__AVX512BF16__)
 constexpr bool PACKED_BF16 = true;
-template <>
-struct Step<bf16_t> {
-  static constexpr int S = 2;
-  static __m512 bcast(const bf16_t* x) {
-    int32_t pair;
-    std::memcpy(&pair, x, sizeof pair);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-  }
-  static __m512 fma(__m512 acc, const bf16_t* w, __m512 xv) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_castps_si512(xv));
-  }
-};
 #else
 constexpr bool PACKED_BF16 = false;
 #endif
 
-// The lanes of a vector of 16 columns that hold one of the `left` columns still to write.
-inline __mmask16 columns(int64_t left) {
-  return left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-inline void store16(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
-#if defined(__AVX512BF16__)
-inline void store16(bf16_t* y, __m512 v, __mmask16 mask) {
-  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-#endif
+using tandem_simd::columns;
+using tandem_simd::store16;
 
 // An output of T x T products stored as Y: float32 outputs of bfloat16 inputs hold the bfloat16 rounding,
 // the same values as a bfloat16 output read back as float32.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,6 +36,45 @@ inline __m512 round16(__m512 v, bf16_t) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_blend_ps(nan, rounded, v);
 }
+
+// One element step (S columns of x, S = 1 float32 or a bfloat16 pair) of the register-blocked micro-kernels
+// (packed_linear.cpp, prefill_attention.cpp): one broadcast of x against one vector of 16 packed columns.
+template <typename T>
+struct Step;
+
+template <>
+struct Step<float> {
+  static constexpr int S = 1;
+  static __m512 bcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 fma(__m512 acc, const float* w, __m512 xv) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), xv, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct Step<bf16_t> {
+  static constexpr int S = 2;
+  static __m512 bcast(const bf16_t* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 fma(__m512 acc, const bf16_t* w, __m512 xv) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_castps_si512(xv));
+  }
+};
+#endif
+
+// The lanes of a vector of 16 columns that hold one of the `left` columns still to write.
+inline __mmask16 columns(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+inline void store16(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
+#if defined(__AVX512BF16__)
+inline void store16(bf16_t* y, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
 
 }  // namespace tandem_simd
 #endif

@@ -327,6 +327,50 @@ def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
     close(got, want, tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("length, context, heads, kv_heads, dim", [
+    (1024, 1024, 9, 3, 64),  # the default model's 1,024-token prompt
+    (37, 37, 4, 2, 32),      # blocks of 8 positions and 32 keys, part-filled
+    (20, 53, 4, 1, 16),      # a chunk after 33 cached positions
+    (1, 70, 6, 2, 96),       # one new position
+    (5, 5, 8, 8, 128),       # no grouping, the widest head
+])
+def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, dim):
+    """Causal (the queries are the last positions), grouped heads, q/k/v read in place from fused qkv rows;
+    against SDPA in float64."""
+    g = torch.Generator().manual_seed(length + context)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(context, width + 8, generator=g).to(dtype)  # padded rows: strided views
+    q = qkv[context - length :, : heads * dim].view(length, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(context, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim : width].view(context, kv_heads, dim)
+    if not ops.prefill_attention_supported(q):
+        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512, and AVX512_BF16 for bfloat16)")
+    mask = torch.ones(length, context, dtype=torch.bool).tril(context - length)
+    as_heads = lambda t: t.double().transpose(0, 1)[None]  # noqa: E731
+    want = torch.nn.functional.scaled_dot_product_attention(
+        as_heads(q), as_heads(k), as_heads(v), attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+    got = ops.prefill_attention(q, k, v, dim**-0.5)
+    assert got.dtype == dtype and got.shape == (length, heads * dim)
+    torch.testing.assert_close(got.double(), want[0].transpose(0, 1).reshape(length, -1), atol=tol, rtol=tol)
+
+
+def test_prefill_attention_refuses_what_it_does_not_serve(ops):
+    """Head sizes that are not 16, 32, 64, 96 or 128 and dtypes other than float32/bfloat16 go to SDPA
+    (``prefill_attention_supported``); called anyway, the kernel raises."""
+    q48, q64 = torch.zeros(3, 2, 48), torch.zeros(3, 2, 64)
+    if not ops.prefill_attention_supported(q64):
+        pytest.skip("no prefill kernel on this CPU (it needs AVX-512)")
+    assert not ops.prefill_attention_supported(q48)
+    assert not ops.prefill_attention_supported(q64.double())
+    with pytest.raises(RuntimeError, match="no kernel here"):
+        ops.prefill_attention(q48, torch.zeros(3, 1, 48), torch.zeros(3, 1, 48), 1.0)
+    with pytest.raises(RuntimeError, match="C >= L"):
+        ops.prefill_attention(q64, torch.zeros(2, 1, 64), torch.zeros(2, 1, 64), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        ops.prefill_attention(torch.zeros(3, 3, 64), torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), 1.0)
+
+
 @pytest.mark.parametrize("lens", [[1], [5, 17, 3, 64, 100], list(range(1, 300, 7))])
 def test_decode_only_metadata_equals_the_general_path(lens):
     """The array-built metadata of an all-decode step holds exactly what the per-request path builds."""

@@ -61,7 +61,7 @@ def test_linear(ops, dtype, tol, rows, k, n, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 257, 600])  # micro-tiles of 4, blocks of 256 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 16, 17, 64, 257, 600])  # micro-tiles of 4, blocks of 256
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (64, 13, True), (71, 97, True), (1536, 200, False)])
 def test_packed_linear(ops, dtype, rows, k, n, bias):
     """Against a float64 matmul of the same values: the kernel accumulates in float32 and rounds once, so it is
@@ -89,7 +89,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
     x = torch.randn(300, 576, generator=g).to(dtype)
     w = ops.pack_linear_weight((torch.randn(200, 576, generator=g) / 24).to(dtype))
     whole = ops.packed_linear(x, w, 200, None)
-    for rows in (slice(0, 1), slice(5, 8), slice(255, 260), slice(3, 300)):
+    for rows in (slice(0, 1), slice(5, 8), slice(255, 260), slice(3, 300), slice(20, 36), slice(7, 16)):
         assert torch.equal(ops.packed_linear(x[rows], w, 200, None), whole[rows])
 
 

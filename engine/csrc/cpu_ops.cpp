@@ -42,26 +42,8 @@ namespace {
 
 using bf16_t = uint16_t;
 
-inline float to_float(float v) { return v; }
-inline float to_float(bf16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-template <typename T>
-inline T from_float(float v);
-template <>
-inline float from_float<float>(float v) { return v; }
-template <>
-inline bf16_t from_float<bf16_t>(float v) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<bf16_t>(u >> 16);
-}
+using tandem_simd::from_float;
+using tandem_simd::to_float;
 
 // Rounds a float32 value to T's precision and back (identity for float).
 template <typename T>

@@ -32,19 +32,8 @@ constexpr int RS = 12;        // rows (query heads x positions) per scores micro
 constexpr int RO = 6;         // rows per P V micro-tile
 
 #if defined(__AVX512F__)
+using tandem_simd::from_float;
 using tandem_simd::Step;
-
-template <typename T>
-T from_f(float f) {
-  if constexpr (std::is_same_v<T, float>) {
-    return f;
-  } else {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    if (std::isnan(f)) return static_cast<bf16_t>((u >> 16) | 0x40);
-    return static_cast<bf16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-  }
-}
 
 // One head's keys as panels of KEYS columns, k-major by element step S: kp[block][d / S][col][s].
 // Values as one panel of D columns over the keys: vp[key / S][d][s]. Zero past C (and past D's last pair).
@@ -145,19 +134,16 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   std::vector<float> total(rows);
   for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest stay zero in P
     const int64_t n = offset + i0 + r / G + 1;
-    float* s = sp[r];
-    const float mx = *std::max_element(s, s + n);
-    const __m512 top = _mm512_set1_ps(mx);
+    const float* s = sp[r];
+    const __m512 top = _mm512_set1_ps(*std::max_element(s, s + n));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
+    for (int64_t j = 0; j < n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
       const __mmask16 m = tandem_simd::columns(n - j);
       const __m512 e = tandem_simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-      _mm512_mask_storeu_ps(s + j, m, e);
+      tandem_simd::store16(pbuf.data() + r * width + j, e, m);
     }
     total[r] = _mm512_reduce_add_ps(sum);
-    T* p = pbuf.data() + r * width;
-    for (int64_t j = 0; j < n; ++j) p[j] = from_f<T>(s[j]);
   }
   const int64_t n = (seen + S - 1) / S * S;
   switch (D / 16) {
@@ -171,7 +157,7 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = (i - i0) * G + g;
       T* dst = out + i * out_row + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(op[row][d] / total[row]);
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(op[row][d] / total[row]);
     }
 }
 #endif
@@ -181,7 +167,7 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
 bool prefill_attention_supported(const torch::Tensor& q) {
 #if defined(__AVX512F__)
   const int64_t D = q.size(-1);
-  const bool shape = D % 16 == 0 && D <= 128 && D / 16 != 3 && D / 16 != 5 && D / 16 != 7;
+  const bool shape = D == 16 || D == 32 || D == 64 || D == 96 || D == 128;  // the cases of pv_rows
   if (q.scalar_type() == torch::kFloat) return shape;
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == torch::kBFloat16) return shape;

@@ -1,16 +1,42 @@
-// Vector math shared by the kernels of cpu_ops.cpp and packed_linear.cpp (AVX-512 builds only): exp and the
-// rounding to bfloat16 that eager ops apply between steps, so fused kernels give the same bits.
+// Math shared by the kernel files (cpu_ops.cpp, packed_linear.cpp, prefill_attention.cpp): bfloat16 <-> float32
+// conversions as torch rounds them, and (AVX-512 builds) exp and that rounding 16 lanes at a time, so fused
+// kernels give the same bits as the eager ops they replace.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+namespace tandem_simd {
+
+using bf16_t = uint16_t;
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) { return v; }
+template <>
+inline bf16_t from_float<bf16_t>(float v) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16_t>(u >> 16);
+}
+
+}  // namespace tandem_simd
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace tandem_simd {
-
-using bf16_t = uint16_t;
 
 // exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part constant), a degree-6 Taylor polynomial of
 // e^r on |r| <= ln2 / 2, scaled by 2^n. Within 2 ulp of expf; glibc's vector expf is only used under

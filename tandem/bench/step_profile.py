@@ -65,23 +65,23 @@ class TimedKernels:
         return getattr(self.inner, name)
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        m, k = x.shape
-        n = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.rows
-        moved = weight.nbytes + (m * k + m * n) * x.element_size()
-        return self.rec.timed("linear", lambda: self.inner.linear(x, weight, bias), moved, 2.0 * m * n * k)
+        return self._matmul(lambda: self.inner.linear(x, weight, bias), x, weight, x.element_size())
 
     def gate_up_silu(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """The gate/up projection with its activation (fused into the matmul on packed weights): "linear"."""
-        m, k = x.shape
-        n = weight.shape[0]
-        moved = weight.nbytes + (m * k + m * n // 2) * x.element_size()
-        return self.rec.timed("linear", lambda: self.inner.gate_up_silu(x, weight), moved, 2.0 * m * n * k)
+        """The gate/up projection with its activation (fused into the matmul on packed weights): "linear",
+        writing half the projection's columns."""
+        return self._matmul(lambda: self.inner.gate_up_silu(x, weight), x, weight, x.element_size() / 2)
 
     def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        return self._matmul(lambda: self.inner.logits(x, weight), x, weight, 4)  # float32 out
+
+    def _matmul(self, fn: Callable[[], Any], x: torch.Tensor, weight: Any, out_bytes: float) -> Any:
+        """A "linear" call of x [m, k] against an [n, k] weight: the weight and x read, m x n outputs of
+        ``out_bytes`` each written."""
         m, k = x.shape
         n = weight.shape[0]
-        moved = weight.nbytes + m * k * x.element_size() + m * n * 4
-        return self.rec.timed("linear", lambda: self.inner.logits(x, weight), moved, 2.0 * m * n * k)
+        moved = weight.nbytes + m * k * x.element_size() + m * n * out_bytes
+        return self.rec.timed("linear", fn, moved, 2.0 * m * n * k)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rec.timed("norm/rope/act", lambda: self.inner.rms_norm(x, weight, eps), 2 * x.nbytes)
@@ -274,7 +274,7 @@ def format_profile(result: dict) -> str:
              f"read {result['read_bw_gbps']:.1f} GB/s (same run)",
              "| batch | op | ms | share | GB/s | GFLOP/s | roofline ms | x roofline |",
              "|---|---|---|---|---|---|---|---|"]
-    bws = {round(d.get("read_bw_gbps", result["read_bw_gbps"]), 1) for d in result["decode"]}
+    bws = {round(d["read_bw_gbps"], 1) for d in result["decode"]}
     for d in result["decode"]:
         for name, o in d["ops"].items():
             over = "-" if o["over_roofline"] is None else f"{o['over_roofline']:.1f}x"

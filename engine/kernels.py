@@ -28,8 +28,9 @@ class PackedWeight:
     the row-streaming kernel and oneDNN on CPUs with AVX-512 (measured on a 2-core EPYC over the default
     model's layers, bfloat16: 409 / 436 / 430 GFLOP/s at 16 / 64 / 256 rows against oneDNN's 224 / 334 / 380
     and the streaming kernel's 272 / 289 / 293; on par with oneDNN at 1,024), so the matrix is kept in that
-    layout only, at the same size. One kernel for every row count also makes a row's result independent of
-    the batch it decodes in.
+    layout only, at the same size. With AMX, bfloat16 runs on the tiles over the same panels (see
+    ``packed_dtypes``). One kernel for every row count also makes a row's result independent of the batch it
+    decodes in.
     """
 
     data: torch.Tensor
@@ -127,9 +128,9 @@ class TorchKernels:
 # float32: 16 everywhere measured (a 2-core AVX-512 EPYC and Xeon). bfloat16 with AVX512_BF16 dot products
 # (vdpbf16ps) and no AMX: 128, measured on the EPYC over the default model's layer shapes (bench step-profile):
 # the kernel ran 194 / 263 / 276 GFLOP/s at 16 / 64 / 128 rows, oneDNN 64-131 / 223 / 275, and oneDNN pulls
-# ahead at 256 (342 against 285). With AMX, oneDNN's bfloat16 GEMM runs several times faster once there are
-# tiles to fill: 16, as before the dot-product kernel. Without native bfloat16, oneDNN's bfloat16 GEMM is slower
-# than the streaming kernel at every size.
+# ahead at 256 (342 against 285). With AMX: 16, oneDNN's tile GEMM (bfloat16 weights are packed there anyway, for
+# the packed kernel's own tiles). Without native bfloat16, oneDNN's bfloat16 GEMM is slower than the streaming
+# kernel at every size.
 SMALL_M = 16
 SMALL_M_DOT_BF16 = 128
 # Rows of x above which dequantizing a quantized weight and running oneDNN's GEMM beats the integer kernel.
@@ -148,7 +149,7 @@ class CpuKernels(TorchKernels):
         amx = "amx_bf16" in cpu_ops.cpu_flags()
         self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if amx else QUANT_GEMM_M_VNNI)
         self.small_m = small_m_table(ops, amx)
-        self.packed = packed_dtypes(ops, amx)
+        self.packed = packed_dtypes(ops)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -246,10 +247,12 @@ def small_m_table(ops: ModuleType, amx: bool) -> dict[torch.dtype, int]:
     return {torch.float32: SMALL_M, torch.bfloat16: bf16}
 
 
-def packed_dtypes(ops: ModuleType, amx: bool) -> set[torch.dtype]:
-    """The dtypes whose weights ``CpuKernels`` packs: those the packed kernel runs here, except bfloat16 with
-    AMX, where oneDNN's tile GEMM wins from 16 rows and needs the plain layout."""
-    dtypes = {torch.float32, torch.bfloat16} - ({torch.bfloat16} if amx else set())
+def packed_dtypes(ops: ModuleType) -> set[torch.dtype]:
+    """The dtypes whose weights ``CpuKernels`` packs: those the packed kernel runs here. With AMX, bfloat16 runs
+    on its tiles over the same panels, ahead of oneDNN's tile GEMM at every row count measured (a 2-core Xeon,
+    the default model's matrices: 10.8 / 20.0 / 53.8 / 221 ms at 16 / 64 / 256 / 1,024 rows against oneDNN's
+    22.4 / 30.1 / 57.5 / 242, and level with the streaming kernel at 1 row)."""
+    dtypes = {torch.float32, torch.bfloat16}
     return {d for d in dtypes if ops.packed_linear_supported(torch.empty(0, 0, dtype=d))}
 
 

@@ -14,6 +14,9 @@
 //   packed[panel][k / S][v][lane][s] = W[panel * NR + v * 16 + lane][k + s], zero past N and K.
 // Each output's sum runs over k in the same order whatever M is or where its row falls in a
 // tile, so a row's result does not depend on the batch it came in.
+//
+// On CPUs with AMX, bfloat16 runs on the tiles over these same panels (amx_panels below) wherever K is
+// a whole number of 32-k chunks; the dot-product micro-kernel serves float32 and the rest.
 
 #include <torch/extension.h>
 
@@ -26,9 +29,15 @@
 #include "simd_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -158,10 +167,160 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
     }
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// bfloat16 on AMX tiles, over the same panels. The dot-product kernel above keeps two cores' vdpbf16ps busy
+// at 16 rows and is compute-bound from there (its 64-row pass over the default model's matrices costs several
+// times the weights' read); one TDPBF16PS does a 16 x 16 x 32 block, 16 times the work per instruction, so a
+// panel costs its read from memory at any decode batch. oneDNN's own AMX GEMM, which the plain layout would
+// need, ran 106 GFLOP/s at 16 rows and 341 at 64 (step profile on a 2-core Xeon with AMX).
+//
+// A panel's k-major layout is already the tiles' B layout: at each pair of k its 16-column vectors are rows
+// of 64 bytes (16 columns x 2 k), so 16 pairs of one vector are a 16-row B tile with a stride of one panel
+// step. Up to 16 rows (amx_block), tiles C 0..5 (16 rows x the panel's 6 vectors), A 6 (16 rows of x, 32 k),
+// B 7: each chunk of 32 k reads one contiguous 6 KB slice of the panel, so the stream from memory stays
+// sequential. 17-32 rows: amx_block2.
+// A row's sums run over the same chunks in the same order whatever M is: the batch invariance holds here too.
+constexpr bool AMX_BUILT = true;
+constexpr int KC = 32;  // k per tile step
+
+bool amx_permitted() {  // Linux hands out the 8 KB of tile state only to a process that asks for it
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles for `rows` rows of x. Up to 16 (amx_block): C 0..5, A 6, B 7. 17..32 (amx_block2): C 0..3 (rows 0-15
+// and 16-31 of two vectors), A 4 and 5, B 6 and 7.
+void configure_tiles(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  if (rows <= 16) {
+    for (int t = 0; t < 7; ++t) c.rows[t] = rows;
+  } else {
+    c.rows[0] = c.rows[1] = c.rows[4] = 16;
+    c.rows[2] = c.rows[3] = c.rows[5] = rows - 16;
+    c.rows[6] = 16;
+  }
+  c.rows[7] = 16;
+  _tile_loadconfig(&c);
+}
+
+// The intrinsics paste their tile numbers into the assembly: literals only.
+#define TANDEM_AMX_VECTOR(v, w) \
+  _tile_loadd(7, (w) + (v) * 32, NR * 4); \
+  _tile_dpbf16ps(v, 6, 7)
+
+// One block of up to 16 rows of x against one panel: the float32 sums into acc [16][NR]. `next`, if any:
+// `next_lines` lines per chunk of what this thread reads next, fetched into L2 while the tiles compute.
+inline void amx_block(const bf16_t* x, int64_t K, const bf16_t* panel, int64_t chunks, float* acc,
+                      const char* next, int next_lines) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+  const bf16_t* w = panel;
+  for (int64_t c = 0; c < chunks; ++c, w += KC / 2 * NR * 2) {
+    if (next) {
+      for (int i = 0; i < next_lines; ++i) _mm_prefetch(next + i * 64, _MM_HINT_T1);
+      next += next_lines * 64;
+    }
+    _tile_loadd(6, x + c * KC, K * 2);
+    TANDEM_AMX_VECTOR(0, w); TANDEM_AMX_VECTOR(1, w); TANDEM_AMX_VECTOR(2, w);
+    TANDEM_AMX_VECTOR(3, w); TANDEM_AMX_VECTOR(4, w); TANDEM_AMX_VECTOR(5, w);
+  }
+  _tile_stored(0, acc, NR * 4); _tile_stored(1, acc + 16, NR * 4); _tile_stored(2, acc + 32, NR * 4);
+  _tile_stored(3, acc + 48, NR * 4); _tile_stored(4, acc + 64, NR * 4); _tile_stored(5, acc + 80, NR * 4);
+}
+
+// 17-32 rows of x against one panel, two vectors at a time: each tile of x and of the panel feeds two products
+// instead of one (a third of the loads of two amx_block calls), which is what prefill and batches past 16 rows
+// wait on. The same products in the same order as amx_block, so the same bits.
+inline void amx_block2(const bf16_t* x, int64_t K, const bf16_t* panel, int64_t chunks, float* acc,
+                       const char* next, int next_lines) {
+  constexpr int64_t ld = NR * 4, chunk = KC / 2 * NR * 2;
+  for (int v = 0; v < NV; v += 2) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const bf16_t* w = panel + v * 32;
+    const char* pf = v == 0 ? next : nullptr;
+    for (int64_t c = 0; c < chunks; ++c, w += chunk) {
+      if (pf) {
+        for (int i = 0; i < next_lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
+        pf += next_lines * 64;
+      }
+      _tile_loadd(4, x + c * KC, K * 2);
+      _tile_loadd(5, x + 16 * K + c * KC, K * 2);
+      _tile_loadd(6, w, ld);
+      _tile_loadd(7, w + 32, ld);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc + v * 16, ld); _tile_stored(1, acc + v * 16 + 16, ld);
+    _tile_stored(2, acc + 16 * NR + v * 16, ld); _tile_stored(3, acc + 16 * NR + v * 16 + 16, ld);
+  }
+}
+
+// The block's sums out through the same stores (and SiLU) as the dot-product kernel's accumulators.
+template <typename Y, Out O>
+inline void amx_store(const float* acc, int rows, const float* bias, int64_t cols, Y* y, int64_t ldy) {
+  for (int r = 0; r < rows; ++r, acc += NR, y += ldy) {
+    if constexpr (O == Out::SiluMul) {
+      for (int v = 0; v < NV / 2 && v * 16 < cols; ++v)
+        store_out<bf16_t>(y + v * 16, silu_mul16<bf16_t>(_mm512_load_ps(acc + v * 16),
+                                                         _mm512_load_ps(acc + (v + NV / 2) * 16)),
+                          columns(cols - v * 16));
+    } else {
+      for (int v = 0; v < NV && v * 16 < cols; ++v) {
+        const __mmask16 mask = columns(cols - v * 16);
+        __m512 a = _mm512_load_ps(acc + v * 16);
+        if (bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, bias + v * 16));
+        store_out<bf16_t>(y + v * 16, a, mask);
+      }
+    }
+  }
+}
+
+// panels() for the tiles: rows [m0, m1) of x against panels [p0, p1), 32 rows at a time; the first block of
+// each panel fetches the next panel (or `tail`) as it goes.
+template <typename Y, Out O>
+void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t* packed, int64_t steps,
+                int64_t p0, int64_t p1, const float* bias, int64_t N, Y* y, Tail tail) {
+  constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;
+  const int64_t panel_size = steps * NR * 2, chunks = steps * 2 / KC;
+  alignas(64) float acc[32 * NR];
+  int configured = 0;
+  for (int64_t p = p0; p < p1; ++p) {
+    const bf16_t* panel = packed + p * panel_size;
+    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_size) : tail.data;
+    const int64_t next_bytes = p + 1 < p1 ? panel_size * 2 : tail.bytes;
+    const int next_lines = static_cast<int>(((next_bytes + 63) / 64 + chunks - 1) / chunks);
+    const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
+    for (int64_t m = m0; m < m1; m += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
+      if (rows != configured) configure_tiles(configured = rows);
+      if (rows > 16)
+        amx_block2(x + m * K, K, panel, chunks, acc, m == m0 ? next : nullptr, next_lines);
+      else
+        amx_block(x + m * K, K, panel, chunks, acc, m == m0 ? next : nullptr, next_lines);
+      amx_store<Y, O>(acc, rows, bias ? bias + n0 : nullptr, cols, y + m * N + n0, N);
+    }
+  }
+  _tile_release();
+}
+#else
+constexpr bool AMX_BUILT = false;
+bool amx_permitted() { return false; }
+#endif
 #else
 constexpr bool PACKED = false;
 constexpr bool PACKED_BF16 = false;
+constexpr bool AMX_BUILT = false;
+bool amx_permitted() { return false; }
 #endif
+
+// Whether bfloat16 runs on the AMX tiles where it can (tests and benchmarks compare the two kernels).
+std::atomic<bool> amx_enabled{true};
 
 template <typename T>
 void pack(const T* w, int64_t N, int64_t K, int64_t S, T* out) {
@@ -213,6 +372,10 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 
 namespace {
 
+// Whether a bfloat16 call with K (padded) columns of x runs on the tiles: whole chunks of k only, so a weight's
+// every call takes one kernel or the other whatever its row count.
+bool uses_amx(int64_t K) { return AMX_BUILT && amx_enabled && K % 32 == 0 && amx_permitted(); }
+
 // The work of packed_linear and packed_linear_silu: x [M, K] against `num_panels` packed panels -> [M, N] outputs.
 template <Out O>
 torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
@@ -241,6 +404,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
 #if defined(__AVX512F__)
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t m_blocks = (M + M_BLOCK - 1) / M_BLOCK;
+  const bool amx = S == 2 && uses_amx(K);
   auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
     using Y = decltype(out_tag);
@@ -254,8 +418,17 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
       for (int64_t i = i0; i < i1;) {
         const int64_t mb = i / num_panels, p = i % num_panels;
         const int64_t p1 = std::min<int64_t>(num_panels, p + (i1 - i));
-        panels<T, Y, O>(xp, K, mb * M_BLOCK, std::min<int64_t>(M, (mb + 1) * M_BLOCK), wp, steps, p, p1, bp, N, yp,
-                        p1 - p == i1 - i ? tail : Tail{});
+        const int64_t m0 = mb * M_BLOCK, m1 = std::min<int64_t>(M, (mb + 1) * M_BLOCK);
+        const Tail t = p1 - p == i1 - i ? tail : Tail{};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, bf16_t>)
+          if (amx) {
+            amx_panels<Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
+            i += p1 - p;
+            continue;
+          }
+#endif
+        panels<T, Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
         i += p1 - p;
       }
     });
@@ -295,6 +468,13 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
                                  const c10::optional<torch::Tensor>& next, int64_t next_N) {
   return run_packed<Out::SiluMul>("packed_linear_silu", x, packed, I, (I + NR / 2 - 1) / (NR / 2), c10::nullopt,
                                   next, next_N, false);
+}
+
+// Turns the AMX tiles on or off for bfloat16 (on by default); whether they are now on: false where the build or
+// the CPU has none. For tests and benchmarks that compare the two kernels.
+bool set_packed_amx(bool enabled) {
+  amx_enabled = enabled;
+  return enabled && AMX_BUILT && amx_permitted();
 }
 
 // Columns per half-panel of packed_linear_silu's layout (the rows of G, then of U, that one panel holds).

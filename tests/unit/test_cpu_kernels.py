@@ -79,6 +79,30 @@ def test_packed_linear(ops, dtype, rows, k, n, bias):
     torch.testing.assert_close(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300])  # one tile of rows, two, blocks of 32, a part-filled one
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 200), (64, 13)])
+def test_packed_linear_on_amx_tiles_matches_the_dot_product_kernel(ops, rows, k, n):
+    """bfloat16 on the AMX tiles (where the CPU has them) reads the same panels as the vdpbf16ps kernel: the two
+    agree to one rounding of the output, with the bias and the fused SiLU too."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=torch.bfloat16)):
+        pytest.skip("this CPU has no packed bfloat16 kernel")
+    g = torch.Generator().manual_seed(rows + k + n)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w)
+    try:
+        tiles = ops.set_packed_amx(True)
+        on = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
+        assert ops.set_packed_amx(False) is False
+        off = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
+    finally:
+        ops.set_packed_amx(True)
+    assert tiles == ("amx_bf16" in cpu_ops.cpu_flags())
+    for a, d in zip(on, off, strict=True):
+        torch.testing.assert_close(a.float(), d.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
     """A row's sum runs in one order wherever it falls in a micro-tile or row block, so a sequence decodes the
@@ -89,7 +113,8 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
     x = torch.randn(300, 576, generator=g).to(dtype)
     w = ops.pack_linear_weight((torch.randn(200, 576, generator=g) / 24).to(dtype))
     whole = ops.packed_linear(x, w, 200, None)
-    for rows in (slice(0, 1), slice(5, 8), slice(255, 260), slice(3, 300), slice(20, 36), slice(7, 16)):
+    for rows in (slice(0, 1), slice(5, 8), slice(255, 260), slice(3, 300), slice(20, 36), slice(7, 16), slice(0, 17),
+                 slice(1, 33)):
         assert torch.equal(ops.packed_linear(x[rows], w, 200, None), whole[rows])
 
 

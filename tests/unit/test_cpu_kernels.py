@@ -92,12 +92,12 @@ def test_packed_linear_on_amx_tiles_matches_the_dot_product_kernel(ops, rows, k,
     b = torch.randn(n, generator=g).to(torch.bfloat16)
     packed = ops.pack_linear_weight(w)
     try:
-        tiles = ops.set_packed_amx(True)
+        tiles = ops.set_amx(True)
         on = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
-        assert ops.set_packed_amx(False) is False
+        assert ops.set_amx(False) is False
         off = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
     finally:
-        ops.set_packed_amx(True)
+        ops.set_amx(True)
     assert tiles == ("amx_bf16" in cpu_ops.cpu_flags())
     for a, d in zip(on, off, strict=True):
         torch.testing.assert_close(a.float(), d.float(), atol=2e-2, rtol=2e-2)
@@ -359,6 +359,7 @@ def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
     (20, 53, 4, 1, 16),      # a chunk after 33 cached positions
     (1, 70, 6, 2, 96),       # one new position
     (5, 5, 8, 8, 128),       # no grouping, the widest head
+    (16, 40, 16, 2, 64),     # 8 query heads per KV head: 64 rows per task (two blocks of AMX tiles)
 ])
 def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, dim):
     """Causal (the queries are the last positions), grouped heads, q/k/v read in place from fused qkv rows;
@@ -378,6 +379,26 @@ def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, di
     got = ops.prefill_attention(q, k, v, dim**-0.5)
     assert got.dtype == dtype and got.shape == (length, heads * dim)
     torch.testing.assert_close(got.double(), want[0].transpose(0, 1).reshape(length, -1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("length, context, heads, kv_heads, dim", [
+    (300, 300, 9, 3, 64), (20, 53, 4, 1, 32), (1, 70, 6, 2, 96), (16, 40, 16, 2, 128)])
+def test_prefill_attention_on_amx_tiles_matches_the_dot_product_kernel(ops, length, context, heads, kv_heads, dim):
+    """bfloat16 on the AMX tiles (where the CPU has them): the same attention as the vdpbf16ps products, to a
+    rounding of P and of the output."""
+    q = torch.randn(length, heads, dim).to(torch.bfloat16)
+    k, v = (torch.randn(context, kv_heads, dim).to(torch.bfloat16) for _ in range(2))
+    if not ops.prefill_attention_supported(q):
+        pytest.skip("no bfloat16 prefill kernel on this CPU")
+    try:
+        tiles = ops.set_amx(True)
+        on = ops.prefill_attention(q, k, v, dim**-0.5)
+        ops.set_amx(False)
+        off = ops.prefill_attention(q, k, v, dim**-0.5)
+    finally:
+        ops.set_amx(True)
+    assert tiles == ("amx_bf16" in cpu_ops.cpu_flags())
+    torch.testing.assert_close(on.float(), off.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_prefill_attention_refuses_what_it_does_not_serve(ops):

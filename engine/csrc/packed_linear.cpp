@@ -34,7 +34,6 @@
 #include <cstring>
 #include <type_traits>
 
-
 namespace {
 
 // What a micro-tile writes: its outputs as they are, or (gate_up panels, see CpuKernels.prepare_gate_up)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 
 namespace tandem_amx {
 // Whether bfloat16 runs on the tiles where it can (set_amx; tests and benchmarks compare the two kernels).
@@ -53,9 +54,11 @@ inline void configure_2x2(int rows) {
 // c [rows, 32 * pairs] (float32, ldc bytes per row) = a [rows, 32 * chunks] b, rows <= 32, in the 2 x 2 layout
 // (configure_2x2(rows) first). b's tile for 16-column vector j and chunk c (16 pairs of k, k-major pairs) starts
 // at b + c * b_chunk + j * 32 elements, ldb bytes per pair of k. Each chunk's products are summed in one order,
-// whatever rows is.
+// whatever rows is. `next`, if any: `next_lines` cache lines per chunk of what the caller reads next, fetched
+// into L2 during the first pair of vectors, while the tiles compute.
 inline void matmul_2x2(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t ldb, int64_t b_chunk,
-                       int64_t chunks, int64_t pairs, float* c, int64_t ldc) {
+                       int64_t chunks, int64_t pairs, float* c, int64_t ldc, const char* next = nullptr,
+                       int next_lines = 0) {
   const bool two = rows > 16;
   for (int64_t j = 0; j < pairs; ++j) {
     _tile_zero(0);
@@ -65,7 +68,12 @@ inline void matmul_2x2(const uint16_t* a, int64_t lda, int rows, const uint16_t*
       _tile_zero(3);
     }
     const uint16_t* w = b + j * 64;
+    const char* pf = j == 0 ? next : nullptr;
     for (int64_t k = 0; k < chunks; ++k, w += b_chunk) {
+      if (pf) {
+        for (int i = 0; i < next_lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
+        pf += next_lines * 64;
+      }
       _tile_loadd(4, a + k * 32, lda);
       _tile_loadd(6, w, ldb);
       _tile_loadd(7, w + 32, ldb);
@@ -88,4 +96,14 @@ inline void matmul_2x2(const uint16_t* a, int64_t lda, int rows, const uint16_t*
 }
 
 }  // namespace tandem_amx
+#else
+namespace tandem_amx {
+inline bool permitted() { return false; }
+}  // namespace tandem_amx
 #endif
+
+namespace tandem_amx {
+// Whether a bfloat16 product summing over k elements runs on the tiles: built with them, switched on, permitted,
+// and k a whole number of 32-element chunks (so every call on one weight or head size takes the same kernel).
+inline bool usable(int64_t k) { return enabled && k % 32 == 0 && permitted(); }
+}  // namespace tandem_amx

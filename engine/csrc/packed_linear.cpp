@@ -172,43 +172,10 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
 //
 // A panel's k-major layout is already the tiles' B layout: at each pair of k its 16-column vectors are rows
 // of 64 bytes (16 columns x 2 k), so 16 pairs of one vector are a 16-row B tile with a stride of one panel
-// step. Blocks of up to 32 rows of x run in the 2 x 2 layout of amx_tiles.h (amx_block).
-constexpr bool AMX_BUILT = true;
+// step. Blocks of up to 32 rows of x run through tandem_amx::matmul_2x2, three pairs of vectors per panel: two
+// B tiles in flight (a first version kept all six vectors' sums in tiles with one B tile, loaded only after the
+// last product had read it: 19.3-20.4 ms against 16.7-17.0 at one row over the default model's matrices).
 constexpr int KC = 32;  // k per tile step
-using tandem_amx::permitted;
-
-// Up to 32 rows of x against one panel, two vectors at a time (tiles in tandem_amx::configure_2x2's layout):
-// three passes over the panel, the first of which fetches `next_lines` lines per chunk of what this thread
-// reads next (`next`, if any) into L2 while the tiles compute. Two B tiles in flight instead of one: at one row,
-// 16.7-17.0 ms against 19.3-20.4 over the default model's matrices for a first version with all six vectors'
-// accumulators in tiles and one B tile, which loaded each B only after the last product had read it.
-inline void amx_block(const bf16_t* x, int64_t K, int rows, const bf16_t* panel, int64_t chunks, float* acc,
-                      const char* next, int next_lines) {
-  const bool two = rows > 16;
-  constexpr int64_t ld = NR * 4, chunk = KC / 2 * NR * 2;
-  for (int v = 0; v < NV; v += 2) {
-    _tile_zero(0); _tile_zero(1);
-    if (two) { _tile_zero(2); _tile_zero(3); }
-    const bf16_t* w = panel + v * 32;
-    const char* pf = v == 0 ? next : nullptr;
-    for (int64_t c = 0; c < chunks; ++c, w += chunk) {
-      if (pf) {
-        for (int i = 0; i < next_lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
-        pf += next_lines * 64;
-      }
-      _tile_loadd(4, x + c * KC, K * 2);
-      _tile_loadd(6, w, ld);
-      _tile_loadd(7, w + 32, ld);
-      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, x + 16 * K + c * KC, K * 2);
-        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, acc + v * 16, ld); _tile_stored(1, acc + v * 16 + 16, ld);
-    if (two) { _tile_stored(2, acc + 16 * NR + v * 16, ld); _tile_stored(3, acc + 16 * NR + v * 16 + 16, ld); }
-  }
-}
 
 // The block's sums out through the same stores (and SiLU) as the dot-product kernel's accumulators.
 template <typename Y, Out O>
@@ -249,21 +216,17 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
     for (int64_t m = m0; m < m1; m += 32) {
       const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
       if (rows != configured) tandem_amx::configure_2x2(configured = rows);
-      amx_block(x + m * K, K, rows, panel, chunks, acc, m == m0 ? next : nullptr, next_lines);
+      tandem_amx::matmul_2x2(x + m * K, K * 2, rows, panel, NR * 4, KC / 2 * NR * 2, chunks, NV / 2, acc, NR * 4,
+                             m == m0 ? next : nullptr, next_lines);
       amx_store<Y, O>(acc, rows, bias ? bias + n0 : nullptr, cols, y + m * N + n0, N);
     }
   }
   _tile_release();
 }
-#else
-constexpr bool AMX_BUILT = false;
-bool permitted() { return false; }
 #endif
 #else
 constexpr bool PACKED = false;
 constexpr bool PACKED_BF16 = false;
-constexpr bool AMX_BUILT = false;
-bool permitted() { return false; }
 #endif
 
 template <typename T>
@@ -316,10 +279,6 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 
 namespace {
 
-// Whether a bfloat16 call with K (padded) columns of x runs on the tiles: whole chunks of k only, so a weight's
-// every call takes one kernel or the other whatever its row count.
-bool uses_amx(int64_t K) { return AMX_BUILT && tandem_amx::enabled && K % 32 == 0 && permitted(); }
-
 // The work of packed_linear and packed_linear_silu: x [M, K] against `num_panels` packed panels -> [M, N] outputs.
 template <Out O>
 torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
@@ -348,7 +307,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
 #if defined(__AVX512F__)
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t m_blocks = (M + M_BLOCK - 1) / M_BLOCK;
-  const bool amx = S == 2 && uses_amx(K);
+  const bool amx = S == 2 && tandem_amx::usable(K);  // K padded: one kernel for every call on a weight
   auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
     using Y = decltype(out_tag);
@@ -418,7 +377,7 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
 // now on: false where the build or the CPU has none. For tests and benchmarks that compare the two kernels.
 bool set_amx(bool enabled) {
   tandem_amx::enabled = enabled;
-  return enabled && AMX_BUILT && permitted();
+  return enabled && tandem_amx::permitted();
 }
 
 // Columns per half-panel of packed_linear_silu's layout (the rows of G, then of U, that one panel holds).

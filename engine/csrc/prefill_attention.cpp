@@ -60,26 +60,32 @@ void pack_head(const T* k, const T* v, int64_t C, int64_t D, int64_t k_row, int6
     for (int64_t d = 0; d < D; ++d) out.v[(j / S * D + d) * S + j % S] = v[j * v_row + d];
 }
 
-// scores[r][0, 32 * nb) for R rows of q (each a row of Dp elements) against nb key panels.
-template <typename T, int R>
-void scores_tile(const T* const* q, int64_t Dp, const T* kp, int64_t nb, float scale, float* const* scores) {
+// acc[r][c] = sum over `steps` element steps s of x[r][s * S..] against the 16 columns of vector c in a k-major
+// panel (ldw elements per step): the register-blocked product both of the products below run.
+template <typename T, int R, int V>
+inline void dot_tile(const T* const* x, int64_t steps, const T* w, int64_t ldw, __m512 (&acc)[R][V]) {
   using St = Step<T>;
-  const int64_t steps = Dp / St::S;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const T* w = kp + b * steps * KEYS * St::S;
-    for (int64_t s = 0; s < steps; ++s, w += KEYS * St::S) {
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = St::bcast(q[r] + s * St::S);
-        acc[r][0] = St::fma(acc[r][0], w, xv);
-        acc[r][1] = St::fma(acc[r][1], w + 16 * St::S, xv);
-      }
-    }
-    const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, w += ldw) {
     for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(scores[r] + b * KEYS, _mm512_mul_ps(acc[r][0], sc));
-      _mm512_storeu_ps(scores[r] + b * KEYS + 16, _mm512_mul_ps(acc[r][1], sc));
+      const __m512 xv = St::bcast(x[r] + s * St::S);
+      for (int c = 0; c < V; ++c) acc[r][c] = St::fma(acc[r][c], w + c * 16 * St::S, xv);
+    }
+  }
+}
+
+// scores[r][0, 32 * nb) for R rows of q (each a row of Dp elements) against nb key panels, unscaled (the
+// softmax scales them as it reads them).
+template <typename T, int R>
+void scores_tile(const T* const* q, int64_t Dp, const T* kp, int64_t nb, float* const* scores) {
+  constexpr int64_t S = Step<T>::S;
+  __m512 acc[R][2];
+  for (int64_t b = 0; b < nb; ++b) {
+    dot_tile<T, R, 2>(q, Dp / S, kp + b * Dp * KEYS, KEYS * S, acc);
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(scores[r] + b * KEYS, acc[r][0]);
+      _mm512_storeu_ps(scores[r] + b * KEYS + 16, acc[r][1]);
     }
   }
 }
@@ -87,24 +93,16 @@ void scores_tile(const T* const* q, int64_t Dp, const T* kp, int64_t nb, float s
 // o[r][0, D) = sum over keys [0, n) of p[r][key] v[key], for D a multiple of 16 up to 128 (V vectors).
 template <typename T, int R, int V>
 void pv_tile(const T* const* p, int64_t n, const T* vp, int64_t D, float* const* o) {
-  using St = Step<T>;
+  constexpr int64_t S = Step<T>::S;
   __m512 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
-  const T* w = vp;
-  for (int64_t s = 0; s < n; s += St::S, w += D * St::S) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = St::bcast(p[r] + s);
-      for (int c = 0; c < V; ++c) acc[r][c] = St::fma(acc[r][c], w + c * 16 * St::S, xv);
-    }
-  }
+  dot_tile<T, R, V>(p, n / S, vp, D * S, acc);  // n: a whole number of steps
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(o[r] + c * 16, acc[r][c]);
 }
 
 #if defined(TANDEM_AMX)
 // The two products on the AMX tiles (bfloat16, D a multiple of 32), 32 rows at a time: the scores unscaled
-// (softmax scales them as it reads), P V over whole blocks of keys (P and the padded V are zero past them).
+// like scores_tile's, P V over whole blocks of keys (P and the padded V are zero past them).
 void scores_amx(const bf16_t* q, int64_t rows, int64_t D, const bf16_t* kp, int64_t nb, float* scores,
                 int64_t width) {
   for (int64_t r = 0; r < rows; r += 32) {
@@ -157,25 +155,22 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
       pp[r] = pbuf.data() + r * width;
       op[r] = obuf.data() + r * D;
     }
-  // The tiles leave the scores unscaled; scaling as they are read rounds them as scores_tile's stores do.
-  float unscaled = 1.f;
   int64_t r = 0;
 #if defined(TANDEM_AMX)
   if constexpr (std::is_same_v<T, bf16_t>)
     if (amx) {
       scores_amx(qbuf.data(), rows, D, packed.k.data(), nb, sbuf.data(), width);
       r = rows;
-      unscaled = scale;
     }
 #endif
-  for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, Dp, packed.k.data(), nb, scale, sp.data() + r);
-  for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, Dp, packed.k.data(), nb, scale, sp.data() + r);
+  for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
+  for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
   std::vector<float> total(rows);
-  const __m512 sc = _mm512_set1_ps(unscaled);
+  const __m512 sc = _mm512_set1_ps(scale);
   for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest stay zero in P
     const int64_t n = offset + i0 + r / G + 1;
     const float* s = sp[r];
-    const __m512 top = _mm512_set1_ps(*std::max_element(s, s + n) * unscaled);  // scale > 0: the scaled max
+    const __m512 top = _mm512_set1_ps(*std::max_element(s, s + n) * scale);  // scale > 0: the scaled max
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
       const __mmask16 m = tandem_simd::columns(n - j);
@@ -210,15 +205,6 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
     }
 }
 
-// Whether both products run on the AMX tiles: bfloat16, D a whole number of 32-element chunks.
-template <typename T>
-bool uses_amx(int64_t D) {
-#if defined(TANDEM_AMX)
-  return std::is_same_v<T, bf16_t> && D % 32 == 0 && tandem_amx::enabled && tandem_amx::permitted();
-#else
-  return false;
-#endif
-}
 #endif
 
 }  // namespace
@@ -254,7 +240,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   auto run = [&](auto tag) {
     using T = decltype(tag);
     constexpr int64_t S = Step<T>::S;
-    const bool amx = uses_amx<T>(D);
+    const bool amx = std::is_same_v<T, bf16_t> && tandem_amx::usable(D);  // both products on the tiles
     const int64_t Dp = (D + S - 1) / S * S;
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
     const T* kp = reinterpret_cast<const T*>(k.data_ptr());

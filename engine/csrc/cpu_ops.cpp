@@ -596,10 +596,10 @@ inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_siz
 // one head) that the hardware prefetcher ramps up on too late; without this decode attention reads its
 // K/V at half the bandwidth that a streaming read gets.
 // `Hint`: _MM_HINT_T1 for rows wanted later than the next few loads, into L2 only.
-template <int Hint = _MM_HINT_T0, typename T>
+template <auto Hint = _MM_HINT_T0, typename T>
 inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + off, static_cast<_mm_hint>(Hint));
+    _mm_prefetch(reinterpret_cast<const char*>(row) + off, Hint);
 }
 constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
 

@@ -621,7 +621,7 @@ void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc,
     for (int j = 0; j < 16; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
     for (int64_t j = t + 16; j < std::min(t + 32, t1); ++j)  // the next 16 keys' rows, while these compute
       prefetch_row(slot_row(kc, table, block_size, j, D), D);
-    for (int j = 0; j < cnt; ++j) prefetch_row<_MM_HINT_T1>(slot_row(vc, table, block_size, t + j, D), D);
+    for (int j = 0; j < cnt; ++j) prefetch_row<_MM_HINT_T1>(vc + (rows[j] - kc), D);  // the same slot's value row
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];

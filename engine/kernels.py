@@ -133,12 +133,12 @@ class TorchKernels:
 # kernel at every size.
 SMALL_M = 16
 SMALL_M_DOT_BF16 = 128
-# Rows of x above which dequantizing a quantized weight and running oneDNN's GEMM beats the integer kernel.
-# Measured on a 2-core AVX-512 VNNI EPYC (no AMX): the integer kernel runs 280-440 GOP/s at 512-2048 rows,
-# the bfloat16 GEMM (dequantizing included) 100-330 GFLOP/s, float32 75-175: never. With AMX, oneDNN's
-# bfloat16 GEMM runs several times faster and wins on prefill-sized matmuls (a threshold not yet measured).
-QUANT_GEMM_M_VNNI = {torch.bfloat16: 1 << 30, torch.float32: 1 << 30}
-QUANT_GEMM_M_AMX = {torch.bfloat16: 128, torch.float32: 1 << 30}
+# Rows of x above which dequantizing a quantized weight and running oneDNN's GEMM would beat ops.qlinear: none
+# measured. On a 2-core AVX-512 VNNI EPYC (no AMX) the integer kernel ran 280-440 GOP/s at 512-2048 rows, the
+# bfloat16 GEMM (dequantizing with torch ops included) 100-330 GFLOP/s, float32 75-175. On a 2-core Xeon with AMX,
+# where qlinear runs bfloat16 x from 24 rows on the tiles, over the default model's matrices: 1,024 rows 137 ms
+# (Q4_1) against oneDNN's 379, 64 rows 16.7 against 271.
+QUANT_GEMM_M = {torch.bfloat16: 1 << 30, torch.float32: 1 << 30}
 
 
 class CpuKernels(TorchKernels):
@@ -147,7 +147,7 @@ class CpuKernels(TorchKernels):
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
         amx = "amx_bf16" in cpu_ops.cpu_flags()
-        self.quant_gemm_rows = dict(QUANT_GEMM_M_AMX if amx else QUANT_GEMM_M_VNNI)
+        self.quant_gemm_rows = dict(QUANT_GEMM_M)
         self.small_m = small_m_table(ops, amx)
         self.packed = packed_dtypes(ops)
 

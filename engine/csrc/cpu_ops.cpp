@@ -849,6 +849,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
                       const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
                       const c10::optional<torch::Tensor>& bias);
 bool qlinear_vnni();
+bool qlinear_amx();
 
 // argmax.cpp
 torch::Tensor argmax_rows(const torch::Tensor& x);
@@ -882,6 +883,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place on the leading heads of each row");
   m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
   m.attr("QUANT_VNNI") = qlinear_vnni();
+  m.attr("QUANT_AMX") = qlinear_amx();
   m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W (4 or 8 bits), int8 activations per 32-block");
   m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
   m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
@@ -893,7 +895,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention serves q's dtype and D");
   m.def("prefill_attention", &prefill_attention, "causal GQA attention of the last L of C positions, packed panels");
   m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
-  m.def("set_amx", &set_amx, "bfloat16 packed_linear and prefill_attention on the AMX tiles (default) or not");
+  m.def("set_amx", &set_amx, "packed_linear, prefill_attention (bfloat16) and qlinear on the AMX tiles (default) or not");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

@@ -19,6 +19,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -196,6 +198,20 @@ void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
 
 constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 integer and 8 float accumulators)
 
+// y's rows m0 .. m0 + mt - 1, columns of groups g .. g + R - 1 (those below N), from r [R, mt, 16] plus the bias.
+template <int R, typename T>
+void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias, int64_t N, T* y) {
+  for (int gr = 0; gr < R; ++gr)
+    for (int m = 0; m < mt; ++m)
+      for (int64_t l = 0; l < GROUP; ++l) {
+        const int64_t n = (g + gr) * GROUP + l;
+        if (n >= N) break;
+        const float v = r[(gr * mt + m) * GROUP + l] + (bias ? bias[n] : 0.f);
+        if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n] = v;
+        else y[(m0 + m) * N + n] = float_to_bf16(v);
+      }
+}
+
 template <int BITS, int R, typename T>
 void qlinear_groups(const QWeight& W, const QX& X, int64_t M, const float* bias, int64_t N, int64_t g, T* y) {
   float r[R * QMAX_TILE * GROUP];
@@ -207,15 +223,7 @@ void qlinear_groups(const QWeight& W, const QX& X, int64_t M, const float* bias,
       case 2: qgroups<BITS, R, 2>(W, g, X, m0, r); break;
       default: qgroups<BITS, R, 1>(W, g, X, m0, r); break;
     }
-    for (int gr = 0; gr < R; ++gr)
-      for (int m = 0; m < mt; ++m)
-        for (int64_t l = 0; l < GROUP; ++l) {
-          const int64_t n = (g + gr) * GROUP + l;
-          if (n >= N) break;
-          const float v = r[(gr * mt + m) * GROUP + l] + (bias ? bias[n] : 0.f);
-          if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n] = v;
-          else y[(m0 + m) * N + n] = float_to_bf16(v);
-        }
+    store_rows<R>(r, mt, m0, g, bias, N, y);
   }
 }
 
@@ -229,6 +237,111 @@ void qlinear_range(const QWeight& W, const QX& X, int64_t M, const float* bias, 
     else qlinear_groups<BITS, 1>(W, X, M, bias, N, g, y);
   }
 }
+
+#if defined(TANDEM_AMX)
+constexpr bool HAVE_AMX = true;
+
+// Many rows of bfloat16 x on an AMX CPU: each pair of groups (32 rows of W) is dequantized once into the tiles'
+// B layout and every block of 32 rows of x runs against it on the bfloat16 tiles (packed_linear's
+// tandem_amx::matmul_2x2). An integer tile product per 32-block was measured first (bit-equal to the VNNI
+// kernel): every block's int32 sums must leave the tiles to be scaled by that block's activation and weight
+// scales, and that vector work (load, convert, scale, two fused adds per 16 sums) is what the VNNI loop
+// costs, so it ran no faster (see docs/benchmarks.md). Dequantizing costs ~20 vector operations per 64 weights
+// once per call, whatever the rows; here x is not quantized, so the result is the dequantized weight's matmul
+// (qlinear_dequantized's) up to the order of float32 sums, not the integer kernel's.
+
+// A block's step (4 of k for each of its 16 rows: 32-bit lane r holds row r's 4 bytes) as bfloat16 B rows.
+// Shifts and masks, not byte shuffles, pick value i of every row (lane r of vector i is row r, k 4s + i), so
+// the block's 16 scales apply lane for lane: w = scale * (u - zero) or scale * u + offset in float32, one
+// rounding, as dequantize() computes it, then one rounding to bfloat16. Pair rows 2s and 2s + 1 of `out`
+// (each 32 columns x 2 k; these 16 columns of each) get k 4s, 4s + 1 and 4s + 2, 4s + 3 interleaved.
+struct Dequant {
+  __m512i interleave, zero;
+  explicit Dequant(float z) : zero(_mm512_set1_epi32(static_cast<int>(z))) {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    interleave = _mm512_load_si512(idx);
+  }
+
+  template <int BITS>
+  inline void step(__m512i v, int shift, __m512 scale, const __m512* offset, uint16_t* out) const {
+    const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xff : 0x0f);
+    __m512 w[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, shift + 8 * i), mask);
+      w[i] = offset ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), scale, *offset)
+                    : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, zero)), scale);
+    }
+    const __m512i even = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
+    const __m512i odd = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[3], w[2]));
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, even));
+    _mm512_storeu_si512(out + 64, _mm512_permutexvar_epi16(interleave, odd));
+  }
+};
+
+// Groups g .. g + R - 1 as out [K / 2, 32, 2] bfloat16 (a lone last group leaves columns 16-31 as they were).
+template <int BITS>
+void dequantize_pair(const QWeight& W, int64_t g, int R, uint16_t* out) {
+  const Dequant dq(W.zero);
+  for (int gr = 0; gr < R; ++gr)
+    for (int64_t j = 0; j < W.nb; ++j) {
+      const uint8_t* wb = W.data + ((g + gr) * W.nb + j) * W.block_bytes();
+      const int64_t at = ((g + gr) * W.nb + j) * GROUP;
+      const __m512 scale = W.row_scale
+          ? _mm512_loadu_ps(W.row_scale + (g + gr) * GROUP)
+          : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.scale + at)));
+      __m512 offset;
+      if (W.offset) offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.offset + at)));
+      const __m512* off = W.offset ? &offset : nullptr;
+      uint16_t* rows = out + (j * BLOCK / 2 * 32 + gr * GROUP) * 2;  // pair 16 j, this group's 16 columns
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * (BITS == 8 ? s : s / 2));
+        dq.step<BITS>(v, BITS == 8 ? 0 : 4 * (s % 2), scale, off, rows + 2 * s * 64);
+      }
+    }
+}
+
+// Pairs of groups [p0, p1) of y = x W^T (+ bias) for bfloat16 x [M, K], 32 rows of x per tile pass.
+void qlinear_range_amx(const QWeight& W, const uint16_t* x, int64_t M, int64_t K, const float* bias, int64_t N,
+                       int64_t groups, int64_t p0, int64_t p1, uint16_t* y) {
+  thread_local std::vector<uint16_t> panel;
+  panel.resize(K * 32);
+  alignas(64) float c[32 * 32];
+  int configured = -1;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t g = 2 * p;
+    const int R = g + 1 < groups ? 2 : 1;
+    if (W.bits == 4) dequantize_pair<4>(W, g, R, panel.data());
+    else dequantize_pair<8>(W, g, R, panel.data());
+    const int64_t n0 = g * GROUP, n1 = std::min<int64_t>(N, n0 + R * GROUP);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+      if (rows != configured) tandem_amx::configure_2x2(configured = rows);
+      tandem_amx::matmul_2x2(x + m0 * K, K * 2, rows, panel.data(), 32 * 4, BLOCK / 2 * 32 * 2, K / BLOCK, 1, c,
+                             32 * 4);
+      for (int m = 0; m < rows; ++m)
+        for (int64_t n = n0; n < n1; ++n)
+          y[(m0 + m) * N + n] = float_to_bf16(c[m * 32 + n - n0] + (bias ? bias[n] : 0.f));
+    }
+  }
+  if (configured >= 0) _tile_release();
+}
+#else
+constexpr bool HAVE_AMX = false;
+
+void qlinear_range_amx(const QWeight&, const uint16_t*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                       int64_t, uint16_t*) {
+  TORCH_CHECK(false, "qlinear: built without AMX");
+}
+#endif
+
+// Rows of bfloat16 x from which the tiles run the product (where built, permitted and switched on; see set_amx).
+// Over the default model's 120 layer matrices on a 2-core Xeon with AMX, 2 threads, caches flushed, ms per pass,
+// integer kernel against tiles (Q4_1 / int8): 1 row 3.8 / 5.3 against 10.6 / 11.5 (dequantizing costs more than
+// reading), 16 rows 10.7 / 12.3 against 9.7 / 11.9, 24 rows 14.7 / 16.3 against 10.1 / 12.7, 64 rows 35.2 /
+// 35.1 against 16.7 / 17.7, 1,024 rows 524 / 495 against 137 / 147.
+constexpr int64_t AMX_MIN_ROWS = 24;
 
 }  // namespace
 
@@ -263,22 +376,29 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   auto xc = x.contiguous();
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xd, xs;
-  xq.resize(M * K);
-  xd.resize(M * nb);
-  xs.resize(M * nb);
-  if (x.scalar_type() == torch::kFloat) quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-  else quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, xq.data(), xd.data(), xs.data());
   const QWeight W{data.data_ptr<uint8_t>(),
                   per_row ? nullptr : reinterpret_cast<const uint16_t*>(scale.data_ptr()),
                   has_offset ? reinterpret_cast<const uint16_t*>(offset->data_ptr()) : nullptr,
                   per_row ? scale.data_ptr<float>() : nullptr,
                   static_cast<float>(zero), nb, static_cast<int>(bits)};
-  const QX X{xq.data(), xd.data(), xs.data(), K, nb};
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool f32 = x.scalar_type() == torch::kFloat;
   void* yp = y.data_ptr();
+  if (HAVE_AMX && !f32 && M >= AMX_MIN_ROWS && tandem_amx::usable(K)) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      qlinear_range_amx(W, xp, M, K, bp, N, groups, p0, p1, static_cast<uint16_t*>(yp));
+    });
+    return y;
+  }
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs;
+  xq.resize(M * K);
+  xd.resize(M * nb);
+  xs.resize(M * nb);
+  if (f32) quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+  else quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, xq.data(), xd.data(), xs.data());
+  const QX X{xq.data(), xd.data(), xs.data(), K, nb};
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     if (f32) {
       if (bits == 4) qlinear_range<4>(W, X, M, bp, N, groups, p0, p1, static_cast<float*>(yp));
@@ -292,3 +412,5 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
 }
 
 bool qlinear_vnni() { return HAVE_VNNI; }
+
+bool qlinear_amx() { return HAVE_AMX && tandem_amx::permitted(); }

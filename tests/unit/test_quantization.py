@@ -62,18 +62,60 @@ def test_gguf_blocks_dequantize_exactly(kind, k):
                                          (64, 48, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qlinear_matches_reference(ops, kind, rows, k, n, bias, dtype):
-    """Groups of 16 rows two at a time and an odd last one (n = 48), rows padded to 16, tiles of up to 4 rows of x."""
+    """Groups of 16 rows two at a time and an odd last one (n = 48), rows padded to 16, tiles of up to 4 rows of x.
+    The integer kernel at every row count: AMX CPUs switched off the tiles (tested on their own below)."""
     w = make_weight(kind, n, k, seed=rows * k + n)
     g = torch.Generator().manual_seed(rows + k)
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g) if bias else None
-    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, b)
+    ops.set_amx(False)
+    try:
+        got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, b)
+    finally:
+        ops.set_amx(True)
     want = qlinear_reference(x, w, b)
     assert got.dtype == dtype and got.shape == (rows, n)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:  # one rounding of the output to bfloat16 (the reference is rounded once too)
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8"])
+@pytest.mark.parametrize("rows", [24, 33, 64])
+@pytest.mark.parametrize("k, n, bias", [(576, 960, False), (32, 7, True), (1536, 64, True), (64, 48, False)])
+def test_qlinear_on_amx_tiles_is_the_dequantized_matmul(ops, kind, rows, k, n, bias):
+    """On AMX CPUs, 24 rows and more of bfloat16 x run on the bfloat16 tiles against the weight dequantized in the
+    kernel (x is not quantized): the exact product of x and dequantize(w) rounded once to bfloat16, up to float32
+    summation order; groups two at a time and an odd last one (n = 48), 17-32 rows in a second pair of tiles."""
+    if not ops.QUANT_AMX:
+        pytest.skip("no AMX on this CPU: qlinear runs the integer kernel at every row count")
+    w = make_weight(kind, n, k, seed=rows * k + n)
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, b)
+    exact = x.double() @ dequantize(w, torch.bfloat16).double().T + (b.double() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), exact.float(), rtol=2**-7, atol=1e-3)
+    # a row's result is the same in any batch that takes the tiles
+    part = ops.qlinear(x[:24].contiguous(), w.data, w.scale, w.offset, w.zero, w.bits, w.rows, b)
+    assert torch.equal(part, got[:24])
+
+
+def test_set_amx_switches_qlinear_to_the_integer_kernel(ops):
+    """Switched off, many rows run the integer kernel, whose rows do not depend on their batch."""
+    w = make_weight("Q4_1", 96, 576, seed=5)
+    x = torch.randn(40, 576).bfloat16()
+    assert ops.set_amx(False) is False
+    try:
+        many = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
+    finally:
+        ops.set_amx(True)
+    ones = torch.cat([ops.qlinear(x[i:i + 1], w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
+                      for i in range(40)])
+    assert torch.equal(many, ones)
+    torch.testing.assert_close(many.float(), qlinear_reference(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_int8_activations_error_is_small(ops):

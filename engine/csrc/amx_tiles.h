@@ -19,6 +19,8 @@ inline std::atomic<bool> enabled{true};
 
 #include <cstdint>
 
+#include "simd_math.h"
+
 namespace tandem_amx {
 
 // Linux hands out the 8 KB of tile state only to a process that asks for it (once, for all its threads).
@@ -54,11 +56,12 @@ inline void configure_2x2(int rows) {
 // c [rows, 32 * pairs] (float32, ldc bytes per row) = a [rows, 32 * chunks] b, rows <= 32, in the 2 x 2 layout
 // (configure_2x2(rows) first). b's tile for 16-column vector j and chunk c (16 pairs of k, k-major pairs) starts
 // at b + c * b_chunk + j * 32 elements, ldb bytes per pair of k. Each chunk's products are summed in one order,
-// whatever rows is. `next`, if any: `next_lines` cache lines per chunk of what the caller reads next, fetched
-// into L2 during the first pair of vectors, while the tiles compute.
+// whatever rows is. `next`, if any: what the caller reads next, fetched into L2 while the tiles compute,
+// `rate` / 256 cache lines per chunk of every pair of vectors.
 inline void matmul_2x2(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t ldb, int64_t b_chunk,
                        int64_t chunks, int64_t pairs, float* c, int64_t ldc, const char* next = nullptr,
-                       int next_lines = 0) {
+                       int rate = 0) {
+  tandem_simd::PacedFetch<_MM_HINT_T1> fetch{next, rate};
   const bool two = rows > 16;
   for (int64_t j = 0; j < pairs; ++j) {
     _tile_zero(0);
@@ -68,12 +71,8 @@ inline void matmul_2x2(const uint16_t* a, int64_t lda, int rows, const uint16_t*
       _tile_zero(3);
     }
     const uint16_t* w = b + j * 64;
-    const char* pf = j == 0 ? next : nullptr;
     for (int64_t k = 0; k < chunks; ++k, w += b_chunk) {
-      if (pf) {
-        for (int i = 0; i < next_lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
-        pf += next_lines * 64;
-      }
+      fetch.step();
       _tile_loadd(4, a + k * 32, lda);
       _tile_loadd(6, w, ldb);
       _tile_loadd(7, w + 32, ldb);

@@ -102,5 +102,20 @@ inline void store16(bf16_t* y, __m512 v, __mmask16 mask) {
 }
 #endif
 
+// A fetch of what a kernel reads next, spread evenly over its loop: `rate` / 256 cache lines per step(), the
+// fraction carried over (null `next`: nothing). A whole number of lines per step, rounded up, sent the lines in
+// bursts and finished early (packed_linear's dot-product kernel: 8.1 -> 7.0 ms per pass at 16 rows on Zen 5).
+template <auto Hint>
+struct PacedFetch {
+  const char* next;
+  int rate;
+  int owed = 0;  // 1/256ths of a line
+
+  inline void step() {
+    if (!next) return;
+    for (owed += rate; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
+  }
+};
+
 }  // namespace tandem_simd
 #endif

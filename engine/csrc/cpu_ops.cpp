@@ -884,7 +884,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
   m.attr("QUANT_VNNI") = qlinear_vnni();
   m.attr("QUANT_AMX") = qlinear_amx();
-  m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W (4 or 8 bits), int8 activations per 32-block");
+  m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W: int8 x per 32-block, or bfloat16 tiles (AMX)");
   m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
   m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
   m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions",

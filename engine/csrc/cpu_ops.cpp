@@ -692,17 +692,14 @@ bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, co
     return true;
   }
   scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % LANES)) - 1);  // the last n % 16 keys
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sg + i));
-    m[g] = _mm512_reduce_max_ps(mx);
+    m[g] = tandem_simd::row_max(sg, n);
     const __m512 top = _mm512_set1_ps(m[g]);
     __m512 sum = _mm512_setzero_ps();
-    for (i = 0; i + LANES <= n; i += LANES) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), top));
       _mm512_storeu_ps(sg + i, e);
       sum = _mm512_add_ps(sum, e);

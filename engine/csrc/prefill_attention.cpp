@@ -131,19 +131,6 @@ void pv_rows(const T* const* p, int64_t rows, int64_t n, const T* vp, int64_t D,
   for (; r < rows; ++r) pv_tile<T, 1, V>(p + r, n, vp, D, o + r);
 }
 
-// max(s[0, n)), n > 0, 16 lanes at a time: std::max_element's one scalar compare per key, each waiting on the
-// last, was 60% of a 1,024-token prefill's attention on the tiles (5.6-5.9 ms per layer on a 2-core Xeon).
-inline float row_max(const float* s, int64_t n) {
-  __m512 a = _mm512_set1_ps(-INFINITY), b = a;
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    a = _mm512_max_ps(a, _mm512_loadu_ps(s + j));
-    b = _mm512_max_ps(b, _mm512_loadu_ps(s + j + 16));
-  }
-  for (; j < n; j += 16) a = _mm512_max_ps(a, _mm512_mask_loadu_ps(b, tandem_simd::columns(n - j), s + j));
-  return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-}
-
 // One task: K/V head h, query positions [i0, i1), all G heads of the group.
 template <typename T>
 void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, int64_t h, int64_t i0, int64_t i1,
@@ -183,7 +170,7 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest stay zero in P
     const int64_t n = offset + i0 + r / G + 1;
     const float* s = sp[r];
-    const __m512 top = _mm512_set1_ps(row_max(s, n) * scale);  // scale > 0: the scaled max
+    const __m512 top = _mm512_set1_ps(tandem_simd::row_max(s, n) * scale);  // scale > 0: the scaled max
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
       const __mmask16 m = tandem_simd::columns(n - j);

@@ -3,6 +3,7 @@
 // kernels give the same bits as the eager ops they replace.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -101,6 +102,19 @@ inline void store16(bf16_t* y, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
+
+// max(s[0, n)), n > 0, 16 lanes at a time with two accumulators (the softmaxes of both attention kernels; a
+// scalar max_element waits on each compare, and was 60% of a prefill's attention on the AMX tiles).
+inline float row_max(const float* s, int64_t n) {
+  __m512 a = _mm512_set1_ps(-INFINITY), b = a;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    a = _mm512_max_ps(a, _mm512_loadu_ps(s + j));
+    b = _mm512_max_ps(b, _mm512_loadu_ps(s + j + 16));
+  }
+  for (; j < n; j += 16) a = _mm512_max_ps(a, _mm512_mask_loadu_ps(b, columns(n - j), s + j));
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+}
 
 // A fetch of what a kernel reads next, spread evenly over its loop: `rate` / 256 cache lines per step(), the
 // fraction carried over (null `next`: nothing). A whole number of lines per step, rounded up, sent the lines in

@@ -35,29 +35,57 @@ constexpr int RS = 12;        // rows (query heads x positions) per scores micro
 constexpr int RO = 6;         // rows per P V micro-tile
 
 #if defined(__AVX512F__)
-using tandem_simd::from_float;
 using tandem_simd::Step;
 
-// One head's keys as panels of KEYS columns, k-major by element step S: kp[block][d / S][col][s].
-// Values as one panel of D columns over the keys: vp[key / S][d][s]. Zero past C (to a whole block of keys) and
-// past D's last pair.
+// One K/V head packed for the products below (pack_keys, pack_values).
 template <typename T>
 struct PackedHead {
   std::vector<T> k, v;
 };
 
+// One head's keys as panels of KEYS columns, k-major by element step S: kp[block][d / S][col][s], zero past C to
+// a whole block of keys. A step of S elements is one 32-bit word, so each block is a transpose of words.
+// (D is a multiple of 16 here: prefill_attention_supported.)
 template <typename T>
-void pack_head(const T* k, const T* v, int64_t C, int64_t D, int64_t k_row, int64_t v_row, PackedHead<T>& out) {
+void pack_keys(const T* k, int64_t C, int64_t D, int64_t k_row, std::vector<T>& out) {
   constexpr int64_t S = Step<T>::S;
-  // Keys padded to whole blocks: the tiles read P V 32 keys at a time.
-  const int64_t Dp = (D + S - 1) / S * S, blocks = (C + KEYS - 1) / KEYS, Cp = blocks * KEYS;
-  out.k.assign(blocks * Dp * KEYS, T{});
-  for (int64_t j = 0; j < C; ++j)
-    for (int64_t d = 0; d < D; ++d)
-      out.k[((j / KEYS * (Dp / S) + d / S) * KEYS + j % KEYS) * S + d % S] = k[j * k_row + d];
-  out.v.assign(Cp * D, T{});
-  for (int64_t j = 0; j < C; ++j)
-    for (int64_t d = 0; d < D; ++d) out.v[(j / S * D + d) * S + j % S] = v[j * v_row + d];
+  static_assert(sizeof(T) * S == 4, "an element step is one 32-bit word");
+  const int64_t words = D / S, blocks = (C + KEYS - 1) / KEYS;
+  out.assign(blocks * KEYS * D, T{});
+  uint32_t* panel = reinterpret_cast<uint32_t*>(out.data());
+  for (int64_t j = 0; j < C; ++j) {
+    uint32_t* col = panel + j / KEYS * words * KEYS + j % KEYS;
+    const T* row = k + j * k_row;
+    for (int64_t w = 0; w < words; ++w) std::memcpy(col + w * KEYS, row + w * S, sizeof(uint32_t));
+  }
+}
+
+// One head's values as one panel of D columns over the keys: vp[key / S][d][s], zero past C to a whole block of
+// keys (the tiles read P V 32 keys at a time). float32: the rows as they are; bfloat16: each pair of rows
+// interleaved, 32 columns at a time.
+template <typename T>
+void pack_values(const T* v, int64_t C, int64_t D, int64_t v_row, std::vector<T>& out) {
+  const int64_t Cp = (C + KEYS - 1) / KEYS * KEYS;
+  out.assign(Cp * D, T{});
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < C; ++j) std::copy_n(v + j * v_row, D, out.data() + j * D);
+  } else {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < C; j += 2) {
+      const T* a = v + j * v_row;
+      const T* b = j + 1 < C ? a + v_row : nullptr;  // past C: the zero key
+      T* dst = out.data() + j * D;                  // pair j / 2: D columns of 2
+      for (int64_t d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - d)) - 1;
+        const __m512i x = _mm512_maskz_loadu_epi16(m, a + d);
+        const __m512i y = b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+        if (D - d > 16) _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+  }
 }
 
 // acc[r][c] = sum over `steps` element steps s of x[r][s * S..] against the 16 columns of vector c in a k-major
@@ -142,7 +170,7 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   const int64_t nb = (seen + KEYS - 1) / KEYS, width = nb * KEYS;
   qbuf.assign(rows * Dp, T{});
   sbuf.resize(rows * width);
-  pbuf.assign(rows * width, T{});
+  pbuf.resize(rows * width);
   obuf.resize(rows * D);
   std::vector<const T*> qp(rows), pp(rows);
   std::vector<float*> sp(rows), op(rows);
@@ -166,19 +194,29 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
   for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
   std::vector<float> total(rows);
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest stay zero in P
+  // exp((s - max) * scale) as 2^(s a - max a), a = scale log2 e: one fused multiply-subtract per 16 scores.
+  constexpr int terms = std::is_same_v<T, float> ? 6 : 4;  // P in bfloat16 needs no more (see exp2_16)
+  const float a = scale * 1.44269504088896341f;
+  const __m512 av = _mm512_set1_ps(a);
+  for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest are zero in P
     const int64_t n = offset + i0 + r / G + 1;
     const float* s = sp[r];
-    const __m512 top = _mm512_set1_ps(tandem_simd::row_max(s, n) * scale);  // scale > 0: the scaled max
+    T* p = pbuf.data() + r * width;
+    const __m512 top = _mm512_set1_ps(tandem_simd::row_max(s, n) * a);  // a > 0: the scaled max
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
-      const __mmask16 m = tandem_simd::columns(n - j);
-      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), sc);
-      const __m512 e = tandem_simd::exp16(_mm512_sub_ps(x, top));
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-      tandem_simd::store16(pbuf.data() + r * width + j, e, m);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
+      const __m512 e = tandem_simd::exp2_16<terms>(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), av, top));
+      sum = _mm512_add_ps(sum, e);
+      tandem_simd::store16(p + j, e, 0xffff);
     }
+    if (j < n) {
+      const __mmask16 m = tandem_simd::columns(n - j);
+      const __m512 e = tandem_simd::exp2_16<terms>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), av, top));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+      tandem_simd::store16(p + j, e, m);
+    }
+    std::fill(p + n, p + width, T{});
     total[r] = _mm512_reduce_add_ps(sum);
   }
   const int64_t n = (seen + S - 1) / S * S;
@@ -200,8 +238,9 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = (i - i0) * G + g;
+      const __m512 inv = _mm512_set1_ps(1.f / total[row]);
       T* dst = out + i * out_row + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(op[row][d] / total[row]);
+      for (int64_t d = 0; d < D; d += 16) tandem_simd::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(op[row] + d), inv), 0xffff);
     }
 }
 
@@ -247,9 +286,12 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
     const T* vp = reinterpret_cast<const T*>(v.data_ptr());
     T* o = reinterpret_cast<T*>(out.data_ptr());
     std::vector<PackedHead<T>> heads(Hkv);
-    at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h)
-        pack_head(kp + h * k.stride(1), vp + h * v.stride(1), C, D, k.stride(0), v.stride(0), heads[h]);
+    at::parallel_for(0, 2 * Hkv, 1, [&](int64_t t0, int64_t t1) {  // keys and values apart: 2 Hkv even tasks
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t h = t / 2;
+        if (t % 2) pack_values(vp + h * v.stride(1), C, D, v.stride(0), heads[h].v);
+        else pack_keys(kp + h * k.stride(1), C, D, k.stride(0), heads[h].k);
+      }
     });
     // Tasks ordered first block, last block, second, second to last...: later blocks see more keys, and
     // at::parallel_for hands each thread one contiguous run, which this order balances.

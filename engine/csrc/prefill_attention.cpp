@@ -5,9 +5,12 @@
 // ~950. Here each K/V head's keys are packed once per call into the k-major panels of packed_linear.cpp, and
 // every task (one K/V head, QB query positions, all G query heads of the group) runs two register-blocked
 // products on the dot-product units: scores = q K^T over the keys its positions can see, then a float32
-// softmax per row, then P V with P rounded to the dtype (as eager attention's probabilities are).
+// softmax per row (exp as 2^(s a - max a), a = scale log2 e: tandem_simd::exp2_16), then P V with P rounded to
+// the dtype (as eager attention's probabilities are).
 // On CPUs with AMX, bfloat16 products with D a multiple of 32 run on the tiles instead (scores_amx, pv_amx:
-// 2.4 ms against 6.9 per layer of a 1,024-token prompt of the default model, on a 2-core Xeon).
+// 1.8 ms against 6.6 per layer of a 1,024-token prompt of the default model, float32 4.5, on a 2-core Xeon).
+// A flash-attention form on the tiles (blocks of 64-256 keys, online softmax, so scores and P stay in L1) was
+// built and measured no faster than these two passes over whole rows, and not kept (docs/benchmarks.md).
 //
 // Layouts: q [L, Hq, D], k and v [C, Hkv, D] (rows and heads may be strided, elements contiguous);
 // out [L, Hq * D]. Query i sees keys j <= C - L + i.
@@ -240,7 +243,8 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
       const int64_t row = (i - i0) * G + g;
       const __m512 inv = _mm512_set1_ps(1.f / total[row]);
       T* dst = out + i * out_row + (h * G + g) * D;
-      for (int64_t d = 0; d < D; d += 16) tandem_simd::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(op[row] + d), inv), 0xffff);
+      for (int64_t d = 0; d < D; d += 16)
+        tandem_simd::store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(op[row] + d), inv), 0xffff);
     }
 }
 

@@ -8,7 +8,7 @@
 // softmax per row (exp as 2^(s a - max a), a = scale log2 e: tandem_simd::exp2_16), then P V with P rounded to
 // the dtype (as eager attention's probabilities are).
 // On CPUs with AMX, bfloat16 products with D a multiple of 32 run on the tiles instead (scores_amx, pv_amx:
-// 1.8 ms against 6.6 per layer of a 1,024-token prompt of the default model, float32 4.5, on a 2-core Xeon).
+// 1.8 ms against 6.9 per layer of a 1,024-token prompt of the default model, float32 4.5, on a 2-core Xeon).
 // A flash-attention form on the tiles (blocks of 64-256 keys, online softmax, so scores and P stay in L1) was
 // built and measured no faster than these two passes over whole rows, and not kept (docs/benchmarks.md).
 //

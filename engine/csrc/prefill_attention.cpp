@@ -106,14 +106,14 @@ inline void dot_tile(const T* const* x, int64_t steps, const T* w, int64_t ldw, 
   }
 }
 
-// scores[r][0, 32 * nb) for R rows of q (each a row of Dp elements) against nb key panels, unscaled (the
+// scores[r][0, 32 * nb) for R rows of q (each a row of D elements) against nb key panels, unscaled (the
 // softmax scales them as it reads them).
 template <typename T, int R>
-void scores_tile(const T* const* q, int64_t Dp, const T* kp, int64_t nb, float* const* scores) {
+void scores_tile(const T* const* q, int64_t D, const T* kp, int64_t nb, float* const* scores) {
   constexpr int64_t S = Step<T>::S;
   __m512 acc[R][2];
   for (int64_t b = 0; b < nb; ++b) {
-    dot_tile<T, R, 2>(q, Dp / S, kp + b * Dp * KEYS, KEYS * S, acc);
+    dot_tile<T, R, 2>(q, D / S, kp + b * D * KEYS, KEYS * S, acc);
     for (int r = 0; r < R; ++r) {
       _mm512_storeu_ps(scores[r] + b * KEYS, acc[r][0]);
       _mm512_storeu_ps(scores[r] + b * KEYS + 16, acc[r][1]);
@@ -164,14 +164,14 @@ void pv_rows(const T* const* p, int64_t rows, int64_t n, const T* vp, int64_t D,
 
 // One task: K/V head h, query positions [i0, i1), all G heads of the group.
 template <typename T>
-void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, int64_t h, int64_t i0, int64_t i1,
+void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, int64_t i0, int64_t i1,
                   int64_t offset, const PackedHead<T>& packed, float scale, T* out, int64_t out_row,
                   std::vector<T>& qbuf, std::vector<float>& sbuf, std::vector<T>& pbuf, std::vector<float>& obuf,
                   bool amx) {
   constexpr int64_t S = Step<T>::S;
   const int64_t rows = (i1 - i0) * G, seen = offset + i1;  // keys the last position sees
   const int64_t nb = (seen + KEYS - 1) / KEYS, width = nb * KEYS;
-  qbuf.assign(rows * Dp, T{});
+  qbuf.resize(rows * D);  // every row copied below
   sbuf.resize(rows * width);
   pbuf.resize(rows * width);
   obuf.resize(rows * D);
@@ -180,8 +180,8 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = (i - i0) * G + g;
-      std::copy_n(q + i * q_row + (h * G + g) * D, D, qbuf.data() + r * Dp);
-      qp[r] = qbuf.data() + r * Dp;
+      std::copy_n(q + i * q_row + (h * G + g) * D, D, qbuf.data() + r * D);
+      qp[r] = qbuf.data() + r * D;
       sp[r] = sbuf.data() + r * width;
       pp[r] = pbuf.data() + r * width;
       op[r] = obuf.data() + r * D;
@@ -194,12 +194,12 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
       r = rows;
     }
 #endif
-  for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
-  for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, Dp, packed.k.data(), nb, sp.data() + r);
+  for (; r + RS <= rows; r += RS) scores_tile<T, RS>(qp.data() + r, D, packed.k.data(), nb, sp.data() + r);
+  for (; r < rows; ++r) scores_tile<T, 1>(qp.data() + r, D, packed.k.data(), nb, sp.data() + r);
   std::vector<float> total(rows);
   // exp((s - max) * scale) as 2^(s a - max a), a = scale log2 e: one fused multiply-subtract per 16 scores.
   constexpr int terms = std::is_same_v<T, float> ? 6 : 4;  // P in bfloat16 needs no more (see exp2_16)
-  const float a = scale * 1.44269504088896341f;
+  const float a = scale * tandem_simd::LOG2E;
   const __m512 av = _mm512_set1_ps(a);
   for (r = 0; r < rows; ++r) {  // softmax over the keys this row's position sees; the rest are zero in P
     const int64_t n = offset + i0 + r / G + 1;
@@ -208,6 +208,8 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t Dp, int64_t G, i
     const __m512 top = _mm512_set1_ps(tandem_simd::row_max(s, n) * a);  // a > 0: the scaled max
     __m512 sum = _mm512_setzero_ps();
     int64_t j = 0;
+    // Whole vectors unmasked, then the last part masked (one shared body taking the mask was not inlined twice
+    // by GCC 12, and its masked loads and moves stayed in the main loop).
     for (; j + 16 <= n; j += 16) {  // P, unnormalised, stored in the dtype as it is computed
       const __m512 e = tandem_simd::exp2_16<terms>(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), av, top));
       sum = _mm512_add_ps(sum, e);
@@ -282,9 +284,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 #if defined(__AVX512F__)
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    constexpr int64_t S = Step<T>::S;
     const bool amx = std::is_same_v<T, bf16_t> && tandem_amx::usable(D);  // both products on the tiles
-    const int64_t Dp = (D + S - 1) / S * S;
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
     const T* kp = reinterpret_cast<const T*>(k.data_ptr());
     const T* vp = reinterpret_cast<const T*>(v.data_ptr());
@@ -306,7 +306,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t h = t % Hkv, j = t / Hkv, b = j % 2 ? blocks - 1 - j / 2 : j / 2;
         const int64_t i0 = b * QB, i1 = std::min(L, i0 + QB);
-        attend_block<T>(qp, q.stride(0), D, Dp, G, h, i0, i1, C - L, heads[h], static_cast<float>(scale), o, Hq * D,
+        attend_block<T>(qp, q.stride(0), D, G, h, i0, i1, C - L, heads[h], static_cast<float>(scale), o, Hq * D,
                         qbuf, sbuf, pbuf, obuf, amx);
       }
 #if defined(TANDEM_AMX)

@@ -39,12 +39,14 @@ inline bf16_t from_float<bf16_t>(float v) {  // round to nearest even, as torch 
 
 namespace tandem_simd {
 
+constexpr float LOG2E = 1.44269504088896341f;
+
 // exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part constant), a degree-6 Taylor polynomial of
 // e^r on |r| <= ln2 / 2, scaled by 2^n. Within 2 ulp of expf; glibc's vector expf is only used under
 // -ffast-math, which would also reorder the reductions, so the scalar loop called expf one value at a time.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);

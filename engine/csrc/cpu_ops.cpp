@@ -586,6 +586,16 @@ constexpr bool scores_read_raw_q(int64_t D) {
   return std::is_same_v<T, bf16_t> && HAVE_DPBF16 && (D == 32 || D == 64 || D == 128);
 }
 
+// The task a thread runs next in decode attention: its keys [t0, t1) of K/V head rows `kc` / `vc`, through
+// `table`. Its rows are fetched into L2 during the current task's scores, a share per 16 keys.
+template <typename T>
+struct NextTask {
+  const T* kc = nullptr;
+  const T* vc = nullptr;
+  const int32_t* table = nullptr;
+  int64_t t0 = 0, t1 = 0;
+};
+
 #if defined(__AVX512F__)
 template <typename T>
 inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_size, int64_t t, int64_t D) {
@@ -610,13 +620,25 @@ constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
 // The same keys' value rows (`vc`) are fetched into L2 as the scores go: the value pass reads them only after
 // the softmax, and until then a task had one short stream in flight where it can have two. Over 30 layers'
 // caches of 16 sequences (~160 keys), evicted between passes: 2.6 -> 2.0 ms, 64 sequences 10.7 -> 8.3.
+// And the thread's next task (`next`, none for its last) is fetched into L2 whole, keys and values, a share with
+// each 16 keys here: a task's compute (~1.5 us) is shorter than its rows' trip from memory, so with only the next
+// 16 keys in flight the two added up rather than overlapped. Same caches on a 2-core Zen 4: 16 sequences 3.71 ->
+// 2.68 ms, 64 sequences 17.8 -> 11.3, 16 of ~600 keys 15.8 -> 10.3 (float32, 16 of 160: 6.79 -> 4.83); the share
+// doubled, done by the middle of the task, was slower (2.35 -> 2.44, 10.5 -> 11.0).
 template <typename T>
 void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
-              int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores) {
+              int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
   const int64_t n = t1 - t0;
   const __m512 sc = _mm512_set1_ps(scale);
   const T* rows[16];
+  const int64_t share = (next.t1 - next.t0 + (n + 15) / 16 - 1) / ((n + 15) / 16);  // next task's keys per 16 here
+  int64_t ahead = next.t0;
   for (int64_t t = t0; t < t1; t += 16) {
+    for (const int64_t end = std::min(next.t1, ahead + share); ahead < end; ++ahead) {
+      const T* row = slot_row(next.kc, next.table, block_size, ahead, D);
+      prefetch_row<_MM_HINT_T1>(row, D);
+      prefetch_row<_MM_HINT_T1>(next.vc + (row - next.kc), D);
+    }
     const int cnt = static_cast<int>(std::min<int64_t>(16, t1 - t));
     for (int j = 0; j < 16; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
     for (int64_t j = t + 16; j < std::min(t + 32, t1); ++j)  // the next 16 keys' rows, while these compute
@@ -682,7 +704,7 @@ void values_regs(const float* scores, int64_t G, const T* vc, const int32_t* tab
 template <typename T>
 bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                         const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
-                        float* m, float* l, float* acc) {
+                        float* m, float* l, float* acc, const NextTask<T>& next) {
   if (D != 16 && D != 32 && D != 64 && D != 128) return false;
   const int64_t n = t1 - t0;
   if (n <= 0) {
@@ -691,7 +713,7 @@ bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, co
     std::fill(l, l + G, 0.f);
     return true;
   }
-  scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores);
+  scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % LANES)) - 1);  // the last n % 16 keys
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
@@ -722,7 +744,7 @@ bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, co
 #else
 template <typename T>
 bool attend_part_avx512(const float*, const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t,
-                        int64_t, int64_t, float, float*, float*, float*, float*) {
+                        int64_t, int64_t, float, float*, float*, float*, float*, const NextTask<T>&) {
   return false;
 }
 #endif
@@ -731,8 +753,8 @@ bool attend_part_avx512(const float*, const T*, int64_t, int64_t, const T*, cons
 template <typename T>
 void attend_range(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                   const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
-                  float* m, float* l, float* acc) {
-  if (!attend_part_avx512<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc))
+                  float* m, float* l, float* acc, const NextTask<T>& next) {
+  if (!attend_part_avx512<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc, next))
     attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }
 
@@ -793,14 +815,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
     const bool q_as_is = scores_read_raw_q<T>(D);  // else every path reads q in float32
-    // The first keys of a thread's next task, into L2 while this one runs: its stream then starts warm.
-    const auto prefetch_task_start = [&](int64_t i) {
-#if defined(__AVX512F__)
+    // Task i's keys: its sequence, K/V head and key range.
+    const auto task = [&](int64_t i) {
       const int64_t b = seq_of[i], parts = (first[b + 1] - first[b]) / Hkv, k = i - first[b];
-      const int64_t t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + 32);
-      for (int64_t t = t0; t < t1; ++t)
-        prefetch_row<_MM_HINT_T1>(slot_row(kp + k / parts * S * D, tp + b * max_blocks, block_size, t, D), D);
-#endif
+      const int64_t t0 = k % parts * PART_KEYS;
+      return NextTask<T>{kp + k / parts * S * D, vp + k / parts * S * D, tp + b * max_blocks, t0,
+                         std::min<int64_t>(lp[b], t0 + PART_KEYS)};
     };
     at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores(G * PART_KEYS), qf(G * D);
@@ -808,12 +828,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         const int64_t b = seq_of[i], parts = (first[b + 1] - first[b]) / Hkv, k = i - first[b];
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
-        if (i + 1 < i1) prefetch_task_start(i + 1);
+        const NextTask<T> next = i + 1 < i1 ? task(i + 1) : NextTask<T>{};
         if (!q_as_is)
           for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
         float* a = &acc[i * G * D];
         attend_range<T>(qf.data(), qh, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,
-                        static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], a);
+                        static_cast<float>(scale), scores.data(), &m[i * G], &l[i * G], a, next);
         if (parts == 1)  // the whole sequence: normalise here, nothing to merge
           for (int64_t g = 0; g < G; ++g) write(b, h, g, a + g * D, l[i * G + g]);
       }

@@ -99,9 +99,13 @@ template <typename T, int R, typename Y, Out O>
 inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
                   int64_t ldy, const char* next, int rate) {
   using St = Step<T>;
+  // The loops over acc fully unrolled, the stores' column test inside: with `v * 16 < cols` in the loop bound
+  // GCC kept acc as a stack array, zeroed by memset and copied in and out of registers around the k loop.
   __m512 acc[R][NV];
+#pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) {
     const __m512 b = bias ? _mm512_maskz_loadu_ps(columns(cols - v * 16), bias + v * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
   const T* w = panel;
@@ -114,12 +118,18 @@ inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const fl
     }
   }
   if constexpr (O == Out::SiluMul) {
-    for (int v = 0; v < NV / 2 && v * 16 < cols; ++v)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v)
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        store_out<T>(y + r * ldy + v * 16, silu_mul16<T>(acc[r][v], acc[r][v + NV / 2]), columns(cols - v * 16));
+        if (v * 16 < cols)
+          store_out<T>(y + r * ldy + v * 16, silu_mul16<T>(acc[r][v], acc[r][v + NV / 2]), columns(cols - v * 16));
   } else {
-    for (int v = 0; v < NV && v * 16 < cols; ++v)
-      for (int r = 0; r < R; ++r) store_out<T>(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        if (v * 16 < cols) store_out<T>(y + r * ldy + v * 16, acc[r][v], columns(cols - v * 16));
   }
 }
 

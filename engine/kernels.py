@@ -8,6 +8,7 @@ many passes over memory on each, which at batch size 1 costs about as much as th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
@@ -86,6 +87,15 @@ class TorchKernels:
         """``weights`` in the order the forward pass reads them (the last leads back to the first), each told
         which comes next where the layout can use it; the same weights otherwise."""
         return weights
+
+    def place(self, weights: list[Weight]) -> list[Weight]:
+        """``weights`` (in the forward pass's order) moved to the memory the kernels read fastest; as they are
+        here."""
+        return weights
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer that the kernels read in scattered runs (the KV cache), in the memory that suits it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's first largest index (greedy sampling's token), as ``torch.argmax(x, -1)``."""
@@ -206,6 +216,32 @@ class CpuKernels(TorchKernels):
                 out[i] = replace(w, next_data=nxt.data, next_rows=nxt.rows)
         return out
 
+    def place(self, weights: list[Weight]) -> list[Weight]:
+        """The packed weights copied, in the forward pass's order, into one buffer on 2 MiB pages
+        (``ops.huge_page_buffer``, which says what they save); the rest as they are. Each copy frees its source
+        once the caller lets go of it."""
+        packed = [w.data.nbytes for w in weights if isinstance(w, PackedWeight)]
+        if not packed:
+            return weights
+        arena = self.ops.huge_page_buffer(sum(_page_aligned(n) for n in packed))
+        out: list[Weight] = []
+        offset = 0
+        for w in weights:
+            if isinstance(w, PackedWeight):
+                data = arena[offset : offset + w.data.nbytes].view(w.data.dtype)
+                data.copy_(w.data)
+                offset += _page_aligned(w.data.nbytes)
+                w = replace(w, data=data)
+            out.append(w)
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """On 2 MiB pages from 1 MiB up (smaller buffers as torch allocates them: a page would be mostly empty)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
+            return super().zeros(shape, dtype, device)
+        return self.ops.huge_page_buffer(nbytes)[:nbytes].view(dtype).view(shape).zero_()
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch's CPU argmax reads ~5 GB/s, 20x slower than its amax: a vectorised kernel for float32 rows."""
         if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0:
@@ -234,6 +270,14 @@ class CpuKernels(TorchKernels):
 
     def rope_(self, qkv: torch.Tensor, tables: Any, num_heads: int, head_dim: int) -> None:
         self.ops.rope_(qkv, *tables, num_heads, head_dim)
+
+
+HUGE_PAGE_MIN_BYTES = 1 << 20
+
+
+def _page_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a 4 KiB page: each weight in the arena starts on its own page."""
+    return -(-nbytes // 4096) * 4096
 
 
 def small_m_table(ops: ModuleType, amx: bool) -> dict[torch.dtype, int]:

@@ -63,12 +63,13 @@ class LlamaModel:
         self.reduce: Callable[[torch.Tensor], None] | None = None
 
     def _chain_weights(self) -> None:
-        """Tell each matrix which one the forward pass reads after it (kernels that prefetch across calls)."""
+        """Lay the matrices out in the memory the kernels want, in the order the forward pass reads them, and
+        tell each which one comes after it (kernels that prefetch across calls)."""
         slots = [(layer, name) for layer in self.layers for name in LayerWeights.LINEARS]
         weights = [getattr(layer, name) for layer, name in slots]
         if self.lm_head is not None:
             weights.append(self.lm_head)
-        chained = self.kernels.chain(weights)
+        chained = self.kernels.chain(self.kernels.place(weights))
         for (layer, name), w in zip(slots, chained, strict=False):
             setattr(layer, name, w)
         if self.lm_head is not None:

@@ -52,7 +52,7 @@ class ModelRunner:
         # with CUDA graphs, one block more than the scheduler hands out: where padding rows write
         shape = self.attn.cache_shape(self.num_blocks + int(graphs))
         self.kv_caches = [
-            torch.zeros(shape, dtype=config.torch_dtype, device=self.device) for _ in range(mc.num_layers)
+            self.model.kernels.zeros(shape, config.torch_dtype, self.device) for _ in range(mc.num_layers)
         ]
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.attn, self.block_size, config.max_model_len,
                                    config.max_num_seqs, scratch_block=self.num_blocks) if graphs else None

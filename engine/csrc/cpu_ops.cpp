@@ -26,12 +26,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "simd_math.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__AVX512F__)
 using tandem_simd::exp16;
@@ -861,6 +866,34 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// `nbytes` (rounded up to whole 2 MiB pages) of uninitialised memory, 2 MiB-aligned and marked for transparent huge
+// pages, as a uint8 tensor that frees it. Where the kernel grants them ("madvise" or "always" mode), each 2 MiB is
+// one TLB entry instead of 512: the packed weights and the KV cache are read in runs of a few KB scattered over
+// hundreds of MB, and on a 2-core Zen 4 a pass over the default model's matrices at 16 rows ran 12.7-13.0 ms on
+// 4 KiB pages against 11.5-11.6 on 2 MiB pages, decode attention over 30 layers' caches 2.9 against 2.4-2.6.
+// Fresh pages from mmap, never from the heap: memory the heap hands back may already be faulted in as 4 KiB pages,
+// which the advice does not turn into huge ones.
+torch::Tensor huge_page_buffer(int64_t nbytes) {
+  constexpr size_t PAGE = size_t(2) << 20;
+  TORCH_CHECK(nbytes >= 0, "huge_page_buffer: a negative size");
+  const size_t size = std::max(PAGE, (static_cast<size_t>(nbytes) + PAGE - 1) / PAGE * PAGE);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t span = size + PAGE;  // room to align the start, the rest unmapped
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "huge_page_buffer: out of memory");
+  char* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + PAGE - 1) & ~uintptr_t(PAGE - 1));
+  const size_t head = static_cast<size_t>(start - static_cast<char*>(raw));
+  if (head) munmap(raw, head);
+  if (span - head - size) munmap(start + size, span - head - size);
+  madvise(start, size, MADV_HUGEPAGE);  // advice only: without huge pages it is plain memory
+  return torch::from_blob(start, {static_cast<int64_t>(size)}, [size](void* p) { munmap(p, size); }, torch::kUInt8);
+#else
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, PAGE, size) == 0, "huge_page_buffer: out of memory");
+  return torch::from_blob(p, {static_cast<int64_t>(size)}, [](void* q) { std::free(q); }, torch::kUInt8);
+#endif
+}
+
 // quant_ops.cpp
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
@@ -914,5 +947,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
   m.def("set_amx", &set_amx, "packed_linear, prefill_attention (bfloat16) and qlinear on the AMX tiles (default) or not");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
+  m.def("huge_page_buffer", &huge_page_buffer, "uninitialised bytes on 2 MiB-aligned memory advised for huge pages");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
 }

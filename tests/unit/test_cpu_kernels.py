@@ -203,6 +203,66 @@ def test_cpu_kernels_chain_tells_each_packed_weight_the_next(kernels):
     assert ref.chain(ws) == ws
 
 
+def _huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(part, 16) for part in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        return f.read().split("[")[1].split("]")[0]
+
+
+def test_huge_page_buffer_lies_on_2mib_pages(ops):
+    """Whole 2 MiB pages, aligned to one; once touched, the kernel backs them with huge pages unless THP is off."""
+    buf = ops.huge_page_buffer(3 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 << 20 and buf.data_ptr() % (2 << 20) == 0
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * (4 << 20)
+    if _thp_mode() == "never":
+        assert _huge_kb(buf.data_ptr()) == 0
+    else:
+        assert _huge_kb(buf.data_ptr()) >= 2048
+    assert ops.huge_page_buffer(0).numel() == 2 << 20
+    with pytest.raises(RuntimeError, match="negative"):
+        ops.huge_page_buffer(-1)
+
+
+def test_cpu_kernels_place_packed_weights_in_one_buffer_in_order(kernels):
+    """Same bits, each weight on its own 4 KiB page of one 2 MiB-aligned buffer, in the order given; the rest kept."""
+    cpu, ref = kernels
+    ws = [cpu.prepare_weight(torch.randn(n, 64)) for n in (96, 200, 7)]
+    plain = torch.ones(5)
+    placed = cpu.place([*ws, plain])
+    assert placed[-1] is plain and ref.place(ws) == ws
+    if torch.float32 not in cpu.packed:
+        assert placed[:3] == ws
+        return
+    ptrs = [w.data.data_ptr() for w in placed[:3]]
+    assert ptrs[0] % (2 << 20) == 0 and ptrs == sorted(ptrs) and all(p % 4096 == 0 for p in ptrs)
+    for old, new in zip(ws, placed, strict=False):
+        assert torch.equal(old.data, new.data) and (new.rows, new.cols) == (old.rows, old.cols)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 64, 8), (2, 3, 4096, 64)])  # under and over the 1 MiB floor
+def test_cpu_kernels_zeros_are_zeros_of_the_shape(kernels, shape):
+    cpu, ref = kernels
+    z = cpu.zeros(shape, torch.bfloat16, torch.device("cpu"))
+    assert z.shape == shape and z.dtype == torch.bfloat16 and z.is_contiguous() and not z.any()
+    assert torch.equal(z, ref.zeros(shape, torch.bfloat16, torch.device("cpu")))
+    if z.nbytes >= 1 << 20:
+        assert z.data_ptr() % (2 << 20) == 0
+
+
 def test_packed_linear_rejects_a_weight_of_another_shape(ops):
     w = ops.pack_linear_weight(torch.ones(8, 64))
     with pytest.raises(RuntimeError, match="packed weight is not"):

@@ -217,22 +217,23 @@ class CpuKernels(TorchKernels):
         return out
 
     def place(self, weights: list[Weight]) -> list[Weight]:
-        """The packed weights copied, in the forward pass's order, into one buffer on 2 MiB pages
-        (``ops.huge_page_buffer``, which says what they save); the rest as they are. Each copy frees its source
-        once the caller lets go of it."""
-        packed = [w.data.nbytes for w in weights if isinstance(w, PackedWeight)]
-        if not packed:
+        """The packed and quantized weights' tensors copied, in the forward pass's order, into one buffer on 2 MiB
+        pages (``ops.huge_page_buffer``, which says what they save); the rest as they are. Each copy frees its
+        source once the caller lets go of it."""
+        sizes = [_page_aligned(getattr(w, f).nbytes) for w in weights for f in _streamed(w)]
+        if not sizes or any(getattr(w, f).device.type != "cpu" for w in weights for f in _streamed(w)):
             return weights
-        arena = self.ops.huge_page_buffer(sum(_page_aligned(n) for n in packed))
+        arena = self.ops.huge_page_buffer(sum(sizes))
         out: list[Weight] = []
         offset = 0
         for w in weights:
-            if isinstance(w, PackedWeight):
-                data = arena[offset : offset + w.data.nbytes].view(w.data.dtype)
-                data.copy_(w.data)
-                offset += _page_aligned(w.data.nbytes)
-                w = replace(w, data=data)
-            out.append(w)
+            moved = {}
+            for name in _streamed(w):
+                src = getattr(w, name)
+                moved[name] = arena[offset : offset + src.nbytes].view(src.dtype).view(src.shape)
+                moved[name].copy_(src)
+                offset += _page_aligned(src.nbytes)
+            out.append(replace(w, **moved) if moved else w)
         return out
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -273,6 +274,15 @@ class CpuKernels(TorchKernels):
 
 
 HUGE_PAGE_MIN_BYTES = 1 << 20
+
+
+def _streamed(weight: Weight) -> tuple[str, ...]:
+    """The fields of ``weight`` that a matmul streams from memory (``CpuKernels.place`` moves them)."""
+    if isinstance(weight, PackedWeight):
+        return ("data",)
+    if isinstance(weight, QuantizedWeight):
+        return ("data", "scale") if weight.offset is None else ("data", "scale", "offset")
+    return ()
 
 
 def _page_aligned(nbytes: int) -> int:

@@ -24,6 +24,7 @@ from engine.attention import (
     general_metadata,
 )
 from engine.kernels import CpuKernels, TorchKernels
+from engine.quant import quantize_int8
 from tests.unit.test_engine_correctness import assert_same_tokens_close_logprobs, batch_logprobs
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
@@ -238,12 +239,17 @@ def test_huge_page_buffer_lies_on_2mib_pages(ops):
 
 
 def test_cpu_kernels_place_packed_weights_in_one_buffer_in_order(kernels):
-    """Same bits, each weight on its own 4 KiB page of one 2 MiB-aligned buffer, in the order given; the rest kept."""
+    """Same bits, each tensor on its own 4 KiB page of one 2 MiB-aligned buffer, in the order given (a quantized
+    weight's data, scales and offsets too); the rest kept."""
     cpu, ref = kernels
     ws = [cpu.prepare_weight(torch.randn(n, 64)) for n in (96, 200, 7)]
-    plain = torch.ones(5)
-    placed = cpu.place([*ws, plain])
-    assert placed[-1] is plain and ref.place(ws) == ws
+    plain, q = torch.ones(5), quantize_int8(torch.randn(40, 64))
+    placed = cpu.place([*ws, plain, q])
+    assert placed[3] is plain and ref.place(ws) == ws
+    assert all(torch.equal(getattr(q, f), getattr(placed[4], f)) for f in ("data", "scale"))
+    assert placed[4].data.data_ptr() % 4096 == 0 and placed[4].scale.data_ptr() > placed[4].data.data_ptr()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(cpu.linear(x, placed[4]), cpu.linear(x, q), rtol=0, atol=0)
     if torch.float32 not in cpu.packed:
         assert placed[:3] == ws
         return

@@ -103,7 +103,7 @@ class LlamaModel:
             h = self._norm(x, delta, layer.input_norm)
             qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             ops.rope_(qkv, rope, heads + kv_heads, d)
-            q, k, v = qkv.view(n, heads + 2 * kv_heads, d).split(split, dim=1)  # views, in one call
+            q, k, v = qkv.view(n, heads + 2 * kv_heads, d).split_with_sizes(split, dim=1)  # views, one C++ call
             delta = self._reduced(ops.linear(attn.forward(q, k, v, kv, meta), layer.o_proj))
             h = self._norm(x, delta, layer.post_norm)
             delta = self._reduced(ops.linear(ops.gate_up_silu(h, layer.gate_up), layer.down))

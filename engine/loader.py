@@ -7,6 +7,7 @@ asked, and fused (q|k|v, gate|up) once at load time.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +79,22 @@ def load_model(
             lm_head = QUANTIZERS[quantization](embed).to(device) if quantization in QUANTIZERS else embed
     if isinstance(embed, QuantizedWeight):
         embed = dequantize(embed, dtype).to(device)  # the lookup reads a few rows: only lm_head streams it
-    return LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels, shard)
+    model = LlamaModel(config, embed, layers, tensor("model.norm.weight"), lm_head, max_len, kernels, shard)
+    if device.type == "cpu":
+        _release_free_heap()
+    return model
+
+
+def _release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``). Loading leaves hundreds of MB free
+    but mapped: the checkpoint's tensors, and the packed weights that ``CpuKernels.place`` copied to 2 MiB pages
+    (the default model in bfloat16: RSS 1,180 -> 898 MB). Elsewhere than glibc, nothing."""
+    try:
+        trim = getattr(ctypes.CDLL("libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
 
 
 def _fuse(parts: list[Weight]) -> Weight:

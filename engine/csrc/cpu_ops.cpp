@@ -361,7 +361,8 @@ void norm_row_bf16(bf16_t* x, const bf16_t* delta, const bf16_t* w, float eps, i
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps));
   for (int64_t i = 0; i < H; i += LANES) {
     const __m512 n = widen(_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16(x + i), inv)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16(w + i), n)));
+    const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16(w + i), n));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)y);
   }
 }
 #endif
@@ -528,8 +529,10 @@ void rope_row(T* row, const T* c, const T* s, int64_t num_heads, int64_t head_di
     T* x = row + h * head_dim;
     for (int64_t k = 0; k < n; ++k) {
       const __m512 x1 = load16(x + k * LANES), x2 = load16(x + half + k * LANES);
-      put(x + k * LANES, _mm512_add_ps(rnd(_mm512_mul_ps(x1, c1[k]), T{}), rnd(_mm512_mul_ps(x2, ns1[k]), T{})));
-      put(x + half + k * LANES, _mm512_add_ps(rnd(_mm512_mul_ps(x2, c2[k]), T{}), rnd(_mm512_mul_ps(x1, s2[k]), T{})));
+      const __m512 a1 = rnd(_mm512_mul_ps(x1, c1[k]), T{}), b1 = rnd(_mm512_mul_ps(x2, ns1[k]), T{});
+      const __m512 a2 = rnd(_mm512_mul_ps(x2, c2[k]), T{}), b2 = rnd(_mm512_mul_ps(x1, s2[k]), T{});
+      put(x + k * LANES, _mm512_add_ps(a1, b1));
+      put(x + half + k * LANES, _mm512_add_ps(a2, b2));
     }
   }
 }

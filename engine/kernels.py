@@ -238,7 +238,7 @@ class CpuKernels(TorchKernels):
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """On 2 MiB pages from 1 MiB up (smaller buffers as torch allocates them: a page would be mostly empty)."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
             return super().zeros(shape, dtype, device)
         return self.ops.huge_page_buffer(nbytes)[:nbytes].view(dtype).view(shape).zero_()

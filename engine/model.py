@@ -55,14 +55,14 @@ class LlamaModel:
         self.norm = norm
         # None on tensor-parallel ranks other than 0: they sample nothing
         self.lm_head = None if lm_head is None else self.kernels.prepare_weight(lm_head)
-        self._chain_weights()
+        self._lay_out_weights()
         shard = shard or TPShard.of(config)
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
         # Tensor parallelism: sums the row-parallel layers' partial outputs over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
 
-    def _chain_weights(self) -> None:
+    def _lay_out_weights(self) -> None:
         """Lay the matrices out in the memory the kernels want, in the order the forward pass reads them, and
         tell each which one comes after it (kernels that prefetch across calls)."""
         slots = [(layer, name) for layer in self.layers for name in LayerWeights.LINEARS]

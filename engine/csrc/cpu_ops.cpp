@@ -95,10 +95,9 @@ struct XRows {
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// 16 bfloat16 values as float32 (exact).
+inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load16(const bf16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 template <typename W>
 inline void prefetch_rows(const W* w, int64_t K, int64_t k) {
@@ -338,31 +337,28 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t H, T* out) {
 }
 
 #if defined(__AVX512BF16__)
-inline __m512 widen(__m256bh h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-}
-inline __m512 load_bf16(const bf16_t* p) {
-  return widen((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// A product rounded to T as torch rounds it: vcvtneps2bf16 for bfloat16, nearest even as torch for every normal
+// value (denormals flush to zero), one instruction where round16 takes seven (norm_row_bf16, rope_row).
+inline __m512 rnd(__m512 v, float) { return v; }
+inline __m512 rnd(__m512 v, bf16_t) { return widen((__m256i)_mm512_cvtneps_pbh(v)); }
+
 // rms_norm_row of a bfloat16 row (H % 16 == 0), with the residual add, rounding by vcvtneps2bf16: nearest even as
 // torch for every normal value (denormals flush to zero). One instruction where round16, the shift and the pack
 // take nine, and on Zen 4 every 512-bit one is two: a 16-row call 7.2 -> 5.6 us, 1,024 rows 175 -> 118.
 void norm_row_bf16(bf16_t* x, const bf16_t* delta, const bf16_t* w, float eps, int64_t H, bf16_t* out) {
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < H; i += LANES) {
-    __m512 v = load_bf16(x + i);
+    __m512 v = load16(x + i);
     if (delta) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(v, load_bf16(delta + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), (__m256i)r);
-      v = widen(r);
+      v = rnd(_mm512_add_ps(v, load16(delta + i)), bf16_t{});
+      tandem_simd::store16(x + i, v, 0xffff);  // exact: v is a bfloat16 value
     }
     ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
   }
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps));
   for (int64_t i = 0; i < H; i += LANES) {
-    const __m512 n = widen(_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16(x + i), inv)));
-    const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16(w + i), n));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)y);
+    const __m512 n = rnd(_mm512_mul_ps(load16(x + i), inv), bf16_t{});
+    tandem_simd::store16(out + i, _mm512_mul_ps(load16(w + i), n), 0xffff);  // rounds as it packs
   }
 }
 #endif
@@ -505,15 +501,6 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 #if defined(__AVX512BF16__)
-// A product rounded to T as torch rounds it (vcvtneps2bf16 for bfloat16: nearest even, as torch, for every normal
-// value; denormals flush to zero), and 16 of them stored.
-inline __m512 rnd(__m512 v, float) { return v; }
-inline __m512 rnd(__m512 v, bf16_t) { return widen(_mm512_cvtneps_pbh(v)); }
-inline void put(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void put(bf16_t* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // rope_ of one row's heads (half a head a multiple of 16, at most 64): the position's cos/sin loaded once for all
 // of them, -sin kept negated (the product's sign flip is exact), each product rounded as the scalar loop does.
 // The same bits as rope_vec per head, in 16 rows 5.1 -> 4.1 us, 1,024 rows 149 -> 83 (bfloat16, 2-core Zen 4).
@@ -531,8 +518,8 @@ void rope_row(T* row, const T* c, const T* s, int64_t num_heads, int64_t head_di
       const __m512 x1 = load16(x + k * LANES), x2 = load16(x + half + k * LANES);
       const __m512 a1 = rnd(_mm512_mul_ps(x1, c1[k]), T{}), b1 = rnd(_mm512_mul_ps(x2, ns1[k]), T{});
       const __m512 a2 = rnd(_mm512_mul_ps(x2, c2[k]), T{}), b2 = rnd(_mm512_mul_ps(x1, s2[k]), T{});
-      put(x + k * LANES, _mm512_add_ps(a1, b1));
-      put(x + half + k * LANES, _mm512_add_ps(a2, b2));
+      tandem_simd::store16(x + k * LANES, _mm512_add_ps(a1, b1), 0xffff);
+      tandem_simd::store16(x + half + k * LANES, _mm512_add_ps(a2, b2), 0xffff);
     }
   }
 }
@@ -716,7 +703,7 @@ void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc,
   const int64_t n = t1 - t0;
   const __m512 sc = _mm512_set1_ps(scale);
   const T* rows[16];
-  const int64_t share = (next.t1 - next.t0 + (n + 15) / 16 - 1) / ((n + 15) / 16);  // next task's keys per 16 here
+  const int64_t groups = (n + 15) / 16, share = (next.t1 - next.t0 + groups - 1) / groups;  // next task's keys per group
   int64_t ahead = next.t0;
   for (int64_t t = t0; t < t1; t += 16) {
     for (const int64_t end = std::min(next.t1, ahead + share); ahead < end; ++ahead) {
@@ -900,7 +887,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
     const bool q_as_is = scores_read_raw_q<T>(D);  // else every path reads q in float32
-    // Task i's keys: its sequence, K/V head and key range.
+    // Task i's keys: its sequence, K/V head and key range. The loop below writes the same arithmetic out again for
+    // its own task: running it through this lambda measured 8-16% slower (docs/benchmarks.md, fifth pass).
     const auto task = [&](int64_t i) {
       const int64_t b = seq_of[i], parts = (first[b + 1] - first[b]) / Hkv, k = i - first[b];
       const int64_t t0 = k % parts * PART_KEYS;

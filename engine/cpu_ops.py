@@ -22,9 +22,10 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp", "prefill_attention.cpp")]
+           for name in ("cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp", "prefill_attention.cpp",
+                        "decode_stack.cpp")]
 # Not compiled on their own; part of the build's key.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd_math.h", "amx_tiles.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.h", "simd_math.h", "amx_tiles.h")]
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.

@@ -101,6 +101,13 @@ class TorchKernels:
         """Each row's first largest index (greedy sampling's token), as ``torch.argmax(x, -1)``."""
         return x.argmax(dim=-1)
 
+    def decode_stack(self, layers: list[Any], final_norm: torch.Tensor, eps: float, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> Any | None:
+        """The decoder ``layers`` (``engine.model.LayerWeights``, as laid out) as one compiled call for steps where
+        every request decodes a token, where these kernels have one; None here: the model's Python forward runs
+        every step."""
+        return None
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -242,6 +249,22 @@ class CpuKernels(TorchKernels):
         if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
             return super().zeros(shape, dtype, device)
         return self.ops.huge_page_buffer(nbytes)[:nbytes].view(dtype).view(shape).zero_()
+
+    def decode_stack(self, layers: list[Any], final_norm: torch.Tensor, eps: float, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> Any | None:
+        """``cpu_ops.DecodeStack`` (decode_stack.cpp says what it saves) where every matrix is packed; None where
+        one is not (quantized, or a dtype without a packed kernel here)."""
+        mats = [getattr(layer, name) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")]
+        if not layers or not all(isinstance(w, PackedWeight) for w in mats) \
+                or not all(layer.gate_up.silu_cols for layer in layers):
+            return None
+
+        def packed(w: PackedWeight, bias: torch.Tensor | None = None) -> Any:
+            return self.ops.StackLinear(w.data, w.silu_cols or w.rows, bias, w.next_data, w.next_rows)
+
+        stack = [self.ops.StackLayer(layer.input_norm, packed(layer.qkv, layer.qkv_bias), packed(layer.o_proj),
+                                     layer.post_norm, packed(layer.gate_up), packed(layer.down)) for layer in layers]
+        return self.ops.DecodeStack(stack, final_norm, eps, num_heads, num_kv_heads, head_dim)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch's CPU argmax reads ~5 GB/s, 20x slower than its amax: a vectorised kernel for float32 rows."""

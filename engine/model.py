@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, CpuPagedAttentionBackend
 from engine.config import ModelConfig
 from engine.kernels import TorchKernels
 from engine.parallel.shard import TPShard
@@ -61,6 +61,9 @@ class LlamaModel:
         self.cos, self.sin = rope_cache(config, max_len, embed.dtype, embed.device)
         # Tensor parallelism: sums the row-parallel layers' partial outputs over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
+        # All-decode steps in one compiled call where the kernels have one (``forward`` says when it is used).
+        self.decode_stack = self.kernels.decode_stack(self.layers, norm, config.rms_norm_eps, self.num_heads,
+                                                      self.num_kv_heads, config.head_dim)
 
     def _lay_out_weights(self) -> None:
         """Lay the matrices out in the memory the kernels want, in the order the forward pass reads them, and
@@ -93,8 +96,13 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
         cfg, ops = self.config, self.kernels
-        rope = ops.rope_tables(self.cos, self.sin, positions)
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        if self.decode_stack is not None and meta.all_decode and self.reduce is None \
+                and attn.name == CpuPagedAttentionBackend.name:
+            group = meta.decodes[0]
+            return self.decode_stack.forward(x, positions, self.cos, self.sin, kv_caches, meta.slot_mapping,
+                                             group.block_table, group.context_lens, attn.block_size, attn.scale)
+        rope = ops.rope_tables(self.cos, self.sin, positions)
         n, d = x.shape[0], cfg.head_dim
         heads, kv_heads = self.num_heads, self.num_kv_heads
         split = (heads, kv_heads, kv_heads)

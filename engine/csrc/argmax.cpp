@@ -7,6 +7,8 @@
 
 #include <torch/extension.h>
 
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "simd_math.h"
 
 #if defined(__linux__)
@@ -963,31 +964,6 @@ torch::Tensor huge_page_buffer(int64_t nbytes) {
 #endif
 }
 
-// quant_ops.cpp
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
-                      const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
-                      const c10::optional<torch::Tensor>& bias);
-bool qlinear_vnni();
-bool qlinear_amx();
-
-// argmax.cpp
-torch::Tensor argmax_rows(const torch::Tensor& x);
-
-// packed_linear.cpp
-bool packed_linear_supported(const torch::Tensor& weight);
-torch::Tensor pack_linear_weight(const torch::Tensor& weight);
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
-                            int64_t next_N, bool float_out);
-torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
-                                 const c10::optional<torch::Tensor>& next, int64_t next_N);
-int64_t packed_silu_half_panel();
-bool set_amx(bool enabled);
-
-// prefill_attention.cpp
-bool prefill_attention_supported(const torch::Tensor& q);
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
   m.attr("NATIVE_BF16") = true;
@@ -1018,4 +994,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("huge_page_buffer", &huge_page_buffer, "uninitialised bytes on 2 MiB-aligned memory advised for huge pages");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place");
+  bind_decode_stack(m);
 }

@@ -17,6 +17,8 @@
 
 #include <torch/extension.h>
 
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"

@@ -5,8 +5,10 @@ kernels, attention backend and sampler time every call. Each op class is set aga
 ``max(bytes / read bandwidth, FLOPs / GEMM rate)``, with both rates measured in the same run (the GEMM rate
 as the faster of oneDNN and the engine's own kernel, the bandwidth just before each batch): a step far
 from the sum of those rooflines shows which op to fix. "other" is what the step spends outside the
-timed ops (metadata, embedding, Python between calls). Prefill of a 1,024-token prompt is profiled the
-same way and its FLOP rate set against the measured GEMM rate.
+timed ops (metadata, embedding, Python between calls). Plain steps run as the engine runs them (decode steps
+through the compiled decode stack where there is one, which has no Python between calls); timed steps run the
+Python forward, whose calls the wrappers see; "other" is the plain step less the timed ops, never below zero.
+Prefill of a 1,024-token prompt is profiled the same way and its FLOP rate set against the measured GEMM rate.
 """
 
 from __future__ import annotations
@@ -139,18 +141,19 @@ def instrument(engine: Engine) -> Recorder:
     them off and on)."""
     rec = Recorder()
     runner = engine.runner
-    rec.plain = (runner.model.kernels, runner.attn, engine.sampler)
-    runner.model.kernels = TimedKernels(runner.model.kernels, rec)
-    runner.attn = TimedAttention(runner.attn, rec)
-    engine.sampler = TimedSampler(engine.sampler, rec)
-    rec.timed_parts = (runner.model.kernels, runner.attn, engine.sampler)
+    model = runner.model
+    rec.plain = (model.kernels, runner.attn, engine.sampler, model.decode_stack)
+    rec.timed_parts = (TimedKernels(model.kernels, rec), TimedAttention(runner.attn, rec),
+                       TimedSampler(engine.sampler, rec), None)
+    timing(engine, rec, True)
     return rec
 
 
 def timing(engine: Engine, rec: Recorder, on: bool) -> None:
-    """The engine's own kernels, attention and sampler (off) or their timed wrappers (on)."""
-    kernels, attn, sampler = rec.timed_parts if on else rec.plain
-    engine.runner.model.kernels, engine.runner.attn, engine.sampler = kernels, attn, sampler
+    """The engine's own kernels, attention, sampler and compiled decode stack (off), or their timed wrappers
+    and the Python forward, whose calls they see (on)."""
+    model = engine.runner.model
+    model.kernels, engine.runner.attn, engine.sampler, model.decode_stack = rec.timed_parts if on else rec.plain
 
 
 def gemm_rate_gflops(dtype: torch.dtype, kernels: Any = None, m: int = 1024, k: int = 2048, n: int = 2048) -> float:

@@ -227,21 +227,17 @@ class CpuKernels(TorchKernels):
         """The packed and quantized weights' tensors copied, in the forward pass's order, into one buffer on 2 MiB
         pages (``ops.huge_page_buffer``, which says what they save); the rest as they are. Each copy frees its
         source once the caller lets go of it."""
-        sizes = [_page_aligned(getattr(w, f).nbytes) for w in weights for f in _streamed(w)]
-        if not sizes or any(getattr(w, f).device.type != "cpu" for w in weights for f in _streamed(w)):
+        fields = [{name: getattr(w, name) for name in _streamed(w)} for w in weights]
+        tensors = [t for f in fields for t in f.values()]
+        if not tensors or any(t.device.type != "cpu" for t in tensors):
             return weights
-        arena = self.ops.huge_page_buffer(sum(sizes))
-        out: list[Weight] = []
+        arena = self.ops.huge_page_buffer(sum(_page_aligned(t.nbytes) for t in tensors))
         offset = 0
-        for w in weights:
-            moved = {}
-            for name in _streamed(w):
-                src = getattr(w, name)
-                moved[name] = arena[offset : offset + src.nbytes].view(src.dtype).view(src.shape)
-                moved[name].copy_(src)
+        for f in fields:
+            for name, src in f.items():
+                f[name] = arena[offset : offset + src.nbytes].view(src.dtype).view(src.shape).copy_(src)
                 offset += _page_aligned(src.nbytes)
-            out.append(replace(w, **moved) if moved else w)
-        return out
+        return [replace(w, **f) if f else w for w, f in zip(weights, fields, strict=True)]
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """On 2 MiB pages from 1 MiB up (smaller buffers as torch allocates them: a page would be mostly empty)."""

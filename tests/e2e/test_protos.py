@@ -21,4 +21,6 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     for fresh in sorted((tmp_path / "protos").glob("*_pb2*.py*")):
         committed = ROOT / "protos" / fresh.name
         assert committed.is_file(), f"{committed} is missing: run the protoc command of ARCHITECTURE.md"
-        assert committed.read_text() == fresh.read_text(), f"{committed.name} is stale: regenerate the stubs"
+        assert committed.read_text() == fresh.read_text(), (
+            f"{committed.name} is stale: regenerate the stubs with the grpcio-tools that pyproject.toml pins"
+        )

@@ -5,7 +5,9 @@ lengths uniform in [16, 256], ignore_eos, each request counting only its own
 output. transformers runs static-batch ``generate`` with left padding at each
 batch size of ``--hf-batch-sizes`` and the best one is reported. Single-stream
 decode is compared with transformers and with the memory-bandwidth roofline
-(weight bytes / read bandwidth, measured here in the same run).
+(weight bytes / read bandwidth, measured here in the same run); batched
+throughput with the workload's own roofline (``workload_roofline``, from the
+read bandwidth and the GEMM rate measured in the same run).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine import ModelConfig
 
 # llama-cpp-python runs in its own environment, as ../shared/peers builds it (tandem bench quant uses it too)
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
@@ -159,6 +165,25 @@ def weight_bytes(engine) -> int:
     return sum(t.nbytes for t in tensors)
 
 
+def gemm_rate(dtype: torch.dtype, device: str, kernels) -> float:
+    """GFLOP/s of this device's GEMM at a prefill-like shape: on a CPU the step profile's yardstick (the better of
+    oneDNN and the engine's own kernel), on a GPU the best of 5 ``torch.mm``."""
+    from tandem.bench.step_profile import gemm_rate_gflops
+
+    if torch.device(device).type == "cpu":
+        return gemm_rate_gflops(dtype, kernels)
+    m, k, n = 4096, 4096, 4096
+    a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+    torch.mm(a, b)
+    return 2.0 * m * k * n / best_of(5, lambda: torch.mm(a, b), device) / 1e9
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: str) -> int:
+    """K and V of one token, every layer (the cache holds the model's dtype)."""
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+
+
 def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
     from common.engine_args import engine_config
     from engine import Engine
@@ -166,7 +191,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_pro
     args.dtype = dtype
     engine = Engine(engine_config(args))
     engine.generate([single_prompt[:16]] * 2)  # warm-up
-    row: dict = {"dtype": dtype, "weight_bytes": weight_bytes(engine)}
+    row: dict = {"dtype": dtype, "weight_bytes": weight_bytes(engine),
+                 "gemm_gflop_s": gemm_rate(getattr(torch, dtype), args.device, engine.runner.model.kernels)}
     row["tandem_batch_out_tok_s"] = tandem_batch(engine, work)
     row["tandem_single_decode_tok_s"] = tandem_single(engine, single_prompt, args.single_new_tokens)
     assert engine.num_free_blocks == engine.num_total_blocks
@@ -213,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     from engine import ModelConfig
     from tandem.bench.scheduling import SCENARIOS, format_scenarios, run_scenarios
     from tandem.bench.step_profile import format_profile
+    from tandem.bench.workload_roofline import workload_roofline
 
     threads = args.num_threads or torch.get_num_threads()
     args.num_threads = threads
@@ -233,6 +260,10 @@ def run(args: argparse.Namespace) -> int:
         row = bench_dtype(args, dtype, work, single_prompt)
         row["roofline_decode_tok_s"] = bw * 1e9 / row["weight_bytes"]
         row["single_fraction_of_roofline"] = row["tandem_single_decode_tok_s"] / row["roofline_decode_tok_s"]
+        roof = workload_roofline(mc, [len(p) for p in work.prompts], work.output_lens, row["weight_bytes"],
+                                 kv_bytes_per_token(mc, dtype), bw, row["gemm_gflop_s"], args.max_num_batched_tokens)
+        row["workload_roofline"] = roof.as_dict()
+        row["batch_fraction_of_roofline"] = row["tandem_batch_out_tok_s"] / roof.out_tok_s
         if "hf_best_batch_out_tok_s" in row:
             row["batch_ratio_vs_hf"] = row["tandem_batch_out_tok_s"] / row["hf_best_batch_out_tok_s"]
             row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
@@ -317,16 +348,21 @@ def format_table(rows: list[dict], bw: float) -> str:
     def f(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
 
+    gemm = ", ".join(f"{r['dtype']} {r['gemm_gflop_s']:.0f}" for r in rows)
     lines = [
-        f"read bandwidth (same run): {bw:.1f} GB/s",
-        "| dtype | tandem batch out tok/s | HF best static (bs) | ratio | llama.cpp (GGUF) | ratio | "
-        "tandem 1-stream decode tok/s | HF 1-stream | ratio | roofline tok/s | fraction of roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"read bandwidth (same run): {bw:.1f} GB/s; GEMM GFLOP/s: {gemm}; workload roofline: prefill at the GEMM "
+        "rate, each decode step at max(bytes / bandwidth, FLOPs / GEMM rate)",
+        "| dtype | tandem batch out tok/s | workload roofline | fraction | HF best static (bs) | ratio | "
+        "llama.cpp (GGUF) | ratio | tandem 1-stream decode tok/s | HF 1-stream | ratio | roofline tok/s | "
+        "fraction of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hf = f"{f(r.get('hf_best_batch_out_tok_s'))} (bs{r.get('hf_best_bs', '-')})"
         lines.append(
-            f"| {r['dtype']} | {f(r['tandem_batch_out_tok_s'])} | {hf} | {f(r.get('batch_ratio_vs_hf'), '{:.2f}x')} | "
+            f"| {r['dtype']} | {f(r['tandem_batch_out_tok_s'])} | {f(r['workload_roofline']['out_tok_s'])} | "
+            f"{f(r['batch_fraction_of_roofline'] * 100, '{:.0f}%')} | {hf} | "
+            f"{f(r.get('batch_ratio_vs_hf'), '{:.2f}x')} | "
             f"{f(r.get('llama_cpp', {}).get('out_tok_s'))} | {f(r.get('batch_ratio_vs_llama_cpp'), '{:.2f}x')} | "
             f"{f(r['tandem_single_decode_tok_s'])} | {f(r.get('hf_single_decode_tok_s'))} | "
             f"{f(r.get('single_ratio_vs_hf'), '{:.2f}x')} | {f(r['roofline_decode_tok_s'])} | "

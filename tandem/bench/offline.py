@@ -19,7 +19,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,7 +165,7 @@ def weight_bytes(engine) -> int:
     return sum(t.nbytes for t in tensors)
 
 
-def gemm_rate(dtype: torch.dtype, device: str, kernels) -> float:
+def gemm_rate(dtype: torch.dtype, device: str, kernels: object | None) -> float:
     """GFLOP/s of this device's GEMM at a prefill-like shape: on a CPU the step profile's yardstick (the better of
     oneDNN and the engine's own kernel), on a GPU the best of 5 ``torch.mm``."""
     from tandem.bench.step_profile import gemm_rate_gflops
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         row["single_fraction_of_roofline"] = row["tandem_single_decode_tok_s"] / row["roofline_decode_tok_s"]
         roof = workload_roofline(mc, [len(p) for p in work.prompts], work.output_lens, row["weight_bytes"],
                                  kv_bytes_per_token(mc, dtype), bw, row["gemm_gflop_s"], args.max_num_batched_tokens)
-        row["workload_roofline"] = roof.as_dict()
+        row["workload_roofline"] = asdict(roof)
         row["batch_fraction_of_roofline"] = row["tandem_batch_out_tok_s"] / roof.out_tok_s
         if "hf_best_batch_out_tok_s" in row:
             row["batch_ratio_vs_hf"] = row["tandem_batch_out_tok_s"] / row["hf_best_batch_out_tok_s"]

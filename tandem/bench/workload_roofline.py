@@ -8,8 +8,8 @@ at 441 GFLOP/s and a 2-core Xeon with AMX at 2,700 allow very different numbers 
 
 The model: every request is admitted at once (the workload has fewer requests than ``max_num_seqs``), prefill
 makes the first token, and decode step s runs every request with more than s tokens still to make. Not counted:
-norms, RoPE, sampling and the scheduler (small next to the matmuls and the weights' stream), and the time a step
-waits for its slowest part; so this is a bound, never an estimate.
+norms, RoPE, sampling and the scheduler (small next to the matmuls and the weights' stream); and a step's reads
+and arithmetic are allowed to overlap completely. So this is a bound, never an estimate.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ class WorkloadRoofline:
     decode_steps: int
     out_tok_s: float
 
-    def as_dict(self) -> dict:
-        return {"prefill_s": self.prefill_s, "decode_s": self.decode_s, "decode_steps": self.decode_steps,
-                "out_tok_s": self.out_tok_s}
-
 
 def linear_params(mc: ModelConfig) -> tuple[int, int]:
     """(the layers' matrix parameters, lm_head's): what a token multiplies through."""
@@ -38,8 +34,8 @@ def linear_params(mc: ModelConfig) -> tuple[int, int]:
     return mc.num_layers * per_layer, mc.vocab_size * h
 
 
-def attention_flops(mc: ModelConfig, queries: int, keys: int) -> float:
-    """Scores and the weighted sum of values, every query head, every layer."""
+def attention_flops(mc: ModelConfig, queries: int, keys: float) -> float:
+    """Scores and the weighted sum of values, every query head, every layer (``keys``: per query, on average)."""
     return 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * queries * keys
 
 

@@ -21,12 +21,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from engine import ModelConfig
 
 # llama-cpp-python runs in its own environment, as ../shared/peers builds it (tandem bench quant uses it too)
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
@@ -165,34 +161,16 @@ def weight_bytes(engine) -> int:
     return sum(t.nbytes for t in tensors)
 
 
-def gemm_rate(dtype: torch.dtype, device: str, kernels: object | None) -> float:
-    """GFLOP/s of this device's GEMM at a prefill-like shape: on a CPU the step profile's yardstick (the better of
-    oneDNN and the engine's own kernel), on a GPU the best of 5 ``torch.mm``."""
-    from tandem.bench.step_profile import gemm_rate_gflops
-
-    if torch.device(device).type == "cpu":
-        return gemm_rate_gflops(dtype, kernels)
-    m, k, n = 4096, 4096, 4096
-    a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
-    torch.mm(a, b)
-    return 2.0 * m * k * n / best_of(5, lambda: torch.mm(a, b), device) / 1e9
-
-
-def kv_bytes_per_token(mc: ModelConfig, dtype: str) -> int:
-    """K and V of one token, every layer (the cache holds the model's dtype)."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
-
-
 def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_prompt: list[int]) -> dict:
     from common.engine_args import engine_config
     from engine import Engine
+    from tandem.bench.step_profile import gemm_rate_gflops
 
     args.dtype = dtype
     engine = Engine(engine_config(args))
     engine.generate([single_prompt[:16]] * 2)  # warm-up
     row: dict = {"dtype": dtype, "weight_bytes": weight_bytes(engine),
-                 "gemm_gflop_s": gemm_rate(getattr(torch, dtype), args.device, engine.runner.model.kernels)}
+                 "gemm_gflop_s": gemm_rate_gflops(getattr(torch, dtype), engine.runner.model.kernels, args.device)}
     row["tandem_batch_out_tok_s"] = tandem_batch(engine, work)
     row["tandem_single_decode_tok_s"] = tandem_single(engine, single_prompt, args.single_new_tokens)
     assert engine.num_free_blocks == engine.num_total_blocks
@@ -237,6 +215,7 @@ def hf_model(path: Path, dtype: torch.dtype, device: str, load_format: str):
 def run(args: argparse.Namespace) -> int:
     from common.engine_args import engine_config, resolve_model
     from engine import ModelConfig
+    from engine.kv_blocks import wire_block_bytes
     from tandem.bench.scheduling import SCENARIOS, format_scenarios, run_scenarios
     from tandem.bench.step_profile import format_profile
     from tandem.bench.workload_roofline import workload_roofline
@@ -261,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         row["roofline_decode_tok_s"] = bw * 1e9 / row["weight_bytes"]
         row["single_fraction_of_roofline"] = row["tandem_single_decode_tok_s"] / row["roofline_decode_tok_s"]
         roof = workload_roofline(mc, [len(p) for p in work.prompts], work.output_lens, row["weight_bytes"],
-                                 kv_bytes_per_token(mc, dtype), bw, row["gemm_gflop_s"], args.max_num_batched_tokens)
+                                 wire_block_bytes(mc, 1, getattr(torch, dtype).itemsize), bw, row["gemm_gflop_s"],
+                                 args.max_num_batched_tokens)
         row["workload_roofline"] = asdict(roof)
         row["batch_fraction_of_roofline"] = row["tandem_batch_out_tok_s"] / roof.out_tok_s
         if "hf_best_batch_out_tok_s" in row:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine import Engine, SamplingParams
+from tandem.bench.offline import best_of
 
 OP_CLASSES = ("linear", "attention", "norm/rope/act", "sampling", "other")
 BATCH_SIZES = (1, 16, 64, 256)
@@ -156,17 +157,19 @@ def timing(engine: Engine, rec: Recorder, on: bool) -> None:
     model.kernels, engine.runner.attn, engine.sampler, model.decode_stack = rec.timed_parts if on else rec.plain
 
 
-def gemm_rate_gflops(dtype: torch.dtype, kernels: Any = None, m: int = 1024, k: int = 2048, n: int = 2048) -> float:
+def gemm_rate_gflops(dtype: torch.dtype, kernels: Any = None, device: str = "cpu") -> float:
     """Best of 5 ``torch.mm`` (oneDNN on CPU) at a prefill-like shape, or of the engine's own linear kernel on
     the same shape where that is faster (the packed float32 kernel runs ~2x oneDNN's float32 GEMM): what this
-    machine's GEMM reaches, so that no op can beat its roofline by running a faster kernel than the yardstick's."""
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    machine's GEMM reaches, so that no op can beat its roofline by running a faster kernel than the yardstick's.
+    On a GPU at 4,096 cubed: the CPU's shape is done in microseconds there, far from the GPU's peak."""
+    m, k, n = (1024, 2048, 2048) if torch.device(device).type == "cpu" else (4096, 4096, 4096)
+    a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
     torch.mm(a, b)
-    best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(5))
+    best = best_of(5, lambda: torch.mm(a, b), device)
     if kernels is not None:
         w = kernels.prepare_weight(b.t().contiguous())
         kernels.linear(a, w)
-        best = min(best, *(_seconds(lambda: kernels.linear(a, w)) for _ in range(5)))
+        best = min(best, best_of(5, lambda: kernels.linear(a, w), device))
     return 2.0 * m * k * n / best / 1e9
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.offline import best_of
+from tandem.bench.timing import best_of
 
 LLAMA_3_8B = Path(__file__).parent / "configs" / "llama-3-8b"
 TINY_VOCAB = 256

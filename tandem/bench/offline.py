@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.bench.timing import best_of, timed
+
 # llama-cpp-python runs in its own environment, as ../shared/peers builds it (tandem bench quant uses it too)
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
 DEFAULT_LLAMA_PYTHON = "/tmp/peers/venv-llama/bin/python"
@@ -76,25 +78,6 @@ def read_bandwidth_gbps(num_threads: int, device: str = "cpu") -> float:
     return (1 << 30) / best / 1e9
 
 
-def _timed(fn, device: str = "cpu") -> float:
-    """Seconds of ``fn()``, synchronised with ``device``."""
-    _sync(device)
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t
-
-
-def best_of(repeats: int, fn, device: str = "cpu") -> float:
-    """The fastest of ``repeats`` timed runs of ``fn()``."""
-    return min(_timed(fn, device) for _ in range(repeats))
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def tandem_batch(engine, work: Workload) -> float:
     from engine import SamplingParams
 
@@ -143,7 +126,7 @@ def hf_single(model, prompt: list[int], new: int, pad_id: int) -> float:
 
     def gen(n: int) -> float:
         with torch.inference_mode():
-            return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id),
                           str(model.device))
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine import Engine, SamplingParams
-from tandem.bench.offline import best_of
+from tandem.bench.timing import best_of
 
 OP_CLASSES = ("linear", "attention", "norm/rope/act", "sampling", "other")
 BATCH_SIZES = (1, 16, 64, 256)

@@ -267,7 +267,8 @@ def tandem_up(device: torch.device, quick: bool, work: Path) -> dict:
     path = tiny_checkpoint(work / "llama-up", "llama", tokenizer=True)
     config = ClusterConfig(mode="disaggregated", engine_args=["--model", str(path), "--device", str(device),
                                                               "--dtype", "float32", "--kv-cache-gb", "0.25"],
-                           kv_capacity_gb=0.25, log_dir=work / "logs", startup_timeout=150)
+                           kv_capacity_gb=0.25, log_dir=work / "logs", startup_timeout=150,
+                           gateway_port=0)  # a free port: the machine may already serve on 50051
     want = _engine(path, device, "float32").generate([PROMPT_UP], _greedy(8))[0]
     try:
         tokens = _ask_cluster(config)

@@ -147,7 +147,7 @@ class TorchKernels:
 # the kernel ran 194 / 263 / 276 GFLOP/s at 16 / 64 / 128 rows, oneDNN 64-131 / 223 / 275, and oneDNN pulls
 # ahead at 256 (342 against 285). With AMX: 16, oneDNN's tile GEMM (bfloat16 weights are packed there anyway, for
 # the packed kernel's own tiles). Without native bfloat16, oneDNN's bfloat16 GEMM is slower than the streaming
-# kernel at every size.
+# kernel at every size (and there the packed kernel, widening bfloat16 in registers, serves every row count).
 SMALL_M = 16
 SMALL_M_DOT_BF16 = 128
 # Rows of x above which dequantizing a quantized weight and running oneDNN's GEMM would beat ops.qlinear: none

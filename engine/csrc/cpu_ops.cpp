@@ -337,11 +337,11 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t H, T* out) {
   for (int64_t i = 0; i < H; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
 }
 
-#if defined(__AVX512BF16__)
-// A product rounded to T as torch rounds it: vcvtneps2bf16 for bfloat16, nearest even as torch for every normal
-// value (denormals flush to zero), one instruction where round16 takes seven (norm_row_bf16, rope_row).
+#if defined(__AVX512F__)
+// A product rounded to T as torch rounds it (tandem_simd::to_bf16): with AVX512_BF16 one vcvtneps2bf16, nearest even
+// as torch for every normal value (denormals flush to zero), where round16 takes seven (norm_row_bf16, rope_row).
 inline __m512 rnd(__m512 v, float) { return v; }
-inline __m512 rnd(__m512 v, bf16_t) { return widen((__m256i)_mm512_cvtneps_pbh(v)); }
+inline __m512 rnd(__m512 v, bf16_t) { return widen(tandem_simd::to_bf16(v)); }
 
 // rms_norm_row of a bfloat16 row (H % 16 == 0), with the residual add, rounding as rnd does: one instruction where
 // round16, the shift and the pack take nine, and on Zen 4 every 512-bit one is two: a 16-row call 7.2 -> 5.6 us,
@@ -351,7 +351,7 @@ void norm_row_bf16(bf16_t* x, const bf16_t* delta, const bf16_t* w, float eps, i
   for (int64_t i = 0; i < H; i += LANES) {
     __m512 v = load16(x + i);
     if (delta) {  // rounded once, stored, and read on as float32
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, load16(delta + i)));
+      const __m256i r = tandem_simd::to_bf16(_mm512_add_ps(v, load16(delta + i)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), r);
       v = widen(r);
     }
@@ -372,7 +372,7 @@ void norm_rows(T* x, const T* delta, const T* w, float eps, int64_t rows, int64_
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * H;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, bf16_t>)
         if (H % LANES == 0) {
           norm_row_bf16(xr, delta ? delta + r * H : nullptr, w, eps, H, out + r * H);
@@ -502,7 +502,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // rope_ of one row's heads (half a head a multiple of 16, at most 64): the position's cos/sin loaded once for all
 // of them, -sin kept negated (the product's sign flip is exact), each product rounded as the scalar loop does.
 // The same bits as rope_vec per head, in 16 rows 5.1 -> 4.1 us, 1,024 rows 149 -> 83 (bfloat16, 2-core Zen 4).
@@ -544,7 +544,7 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tens
     T* base = mut_ptr<T>(qkv);
     const T* cp = ptr<T>(cos);
     const T* sp = ptr<T>(sin);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     if (half % LANES == 0 && half <= 4 * LANES) {
       at::parallel_for(0, T_, 8, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)

@@ -59,10 +59,11 @@ constexpr bool PACKED = true;
 
 using tandem_simd::Step;
 
+constexpr bool PACKED_BF16 = true;  // with AVX512_BF16's dot products, or widened (widened_step)
 #if defined(__AVX512BF16__)
-constexpr bool PACKED_BF16 = true;
+constexpr bool DOT_PRODUCTS_BF16 = true;
 #else
-constexpr bool PACKED_BF16 = false;
+constexpr bool DOT_PRODUCTS_BF16 = false;
 #endif
 
 using tandem_simd::columns;
@@ -72,12 +73,10 @@ using tandem_simd::store16;
 // the same values as a bfloat16 output read back as float32.
 template <typename T, typename Y>
 inline void store_out(Y* y, __m512 v, __mmask16 mask) {
-#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<Y, float>) {
-    const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    const __m512i bits = _mm512_cvtepu16_epi32(tandem_simd::to_bf16(v));
     v = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
   }
-#endif
   store16(y, v, mask);
 }
 
@@ -90,6 +89,32 @@ inline __m512 silu_mul16(__m512 gate, __m512 up) {
   return _mm512_mul_ps(round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{}), u);
 }
 
+#if !defined(__AVX512BF16__)
+// One pair of k of R rows of x, widened to float32 beforehand, against a panel step of bfloat16 pairs, each weight
+// vector widened once (Step<bf16_t>'s widening and order, so the same bits): written out because in Step's loop
+// order GCC keeps all NV widened pairs live at once, 12 registers, and spills accumulators. Against that order
+// on a 2-core Ice Lake Xeon, as a share of packed float32's rate in the same run: 0.97 / 0.87 / 0.95 at
+// 64 / 256 / 1,024 rows against 0.67 / 0.75 / 0.71.
+template <int R>
+inline void widened_step(const float* x, int64_t K, const bf16_t* w, __m512 (&acc)[R][NV]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    const __m512i wv = _mm512_loadu_si512(w + v * 32);
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r][v] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * K + 1]), acc[r][v]);
+      acc[r][v] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * K]), acc[r][v]);
+    }
+  }
+}
+#else
+template <int R>
+inline void widened_step(const float*, int64_t, const bf16_t*, __m512 (&)[R][NV]) {}
+#endif
+
 // R rows of x against one panel: y[0..R) x [0, cols), `cols` < NR only in the last panel (< NR / 2 for
 // Out::SiluMul, whose outputs are half the panel's columns).
 // `next`: the slice of the next panel this tile fetches into L2 while it computes, `rate` / 256 cache lines
@@ -97,8 +122,8 @@ inline __m512 silu_mul16(__m512 gate, __m512 up) {
 // multipliers, one after the other; with it the stream and the arithmetic overlap (16 rows: 15.6 -> 13.0
 // ms for the default model's matrices, bfloat16, on a 2-core EPYC), paced evenly over the whole panel
 // (tandem_simd::PacedFetch).
-template <typename T, int R, typename Y, Out O>
-inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
+template <typename T, int R, typename Y, Out O, typename X = T>
+inline void micro(const X* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
                   int64_t ldy, const char* next, int rate) {
   using St = Step<T>;
   // The loops over acc fully unrolled, the stores' column test inside: with `v * 16 < cols` in the loop bound
@@ -114,9 +139,13 @@ inline void micro(const T* x, int64_t K, const T* panel, int64_t steps, const fl
   tandem_simd::PacedFetch<_MM_HINT_T2> fetch{next, rate};
   for (int64_t s = 0; s < steps; ++s, w += NR * St::S) {
     fetch.step();
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = St::bcast(x + r * K + s * St::S);
-      for (int v = 0; v < NV; ++v) acc[r][v] = St::fma(acc[r][v], w + v * 16 * St::S, xv);
+    if constexpr (!std::is_same_v<X, T>) {
+      widened_step<R>(x + s * 2, K, w, acc);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const auto xv = St::bcast(x + r * K + s * St::S);
+        for (int v = 0; v < NV; ++v) acc[r][v] = St::fma(acc[r][v], w + v * 16 * St::S, xv);
+      }
     }
   }
   if constexpr (O == Out::SiluMul) {
@@ -145,8 +174,8 @@ struct Tail {
 // time from L2; the tiles of one panel share out the prefetch of the next, and those of the last panel the
 // prefetch of `tail`. Not for 1-2 rows, which stream the panel faster than the prefetches (4 rows: 6.4 -> 5.8
 // ms with them, 1-2 rows 2% slower).
-template <typename T, typename Y, Out O>
-void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0, int64_t p1,
+template <typename T, typename Y, Out O, typename X = T>
+void panels(const X* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0, int64_t p1,
             const float* bias, int64_t N, Y* y, Tail tail) {
   constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;  // outputs per panel; N counts outputs
   const int64_t panel_size = steps * NR * Step<T>::S;
@@ -164,13 +193,13 @@ void panels(const T* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
     for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
       const char* pf = next ? next + t * steps * rate / 256 * 64 : nullptr;
       if (pf && pf >= next + lines * 64) pf = nullptr;
-      const T* xm = x + m * K;
+      const X* xm = x + m * K;
       Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {
-        case 1: micro<T, 1, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
-        case 2: micro<T, 2, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
-        case 3: micro<T, 3, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
-        default: micro<T, MR, Y, O>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
+        case 1: micro<T, 1, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
+        case 2: micro<T, 2, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
+        case 3: micro<T, 3, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
+        default: micro<T, MR, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
       }
     }
   }
@@ -332,6 +361,9 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
     const T* xp = reinterpret_cast<const T*>(xc.data_ptr());
     const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
     Y* yp = reinterpret_cast<Y*>(y.data_ptr());
+    // Without AVX512_BF16, bfloat16 rows of x widened once per call, for widened_step to broadcast from memory.
+    const bool widen = std::is_same_v<T, bf16_t> && !DOT_PRODUCTS_BF16;
+    const torch::Tensor xw = widen ? xc.to(torch::kFloat) : torch::Tensor();
     // Work items are (row block, panel) pairs, panel-major within a row block, so each thread streams
     // its own run of panels from memory.
     at::parallel_for(0, m_blocks * num_panels, 1, [&](int64_t i0, int64_t i1) {
@@ -349,18 +381,19 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
             continue;
           }
 #endif
-        panels<T, Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
+        if (widen)
+          panels<T, Y, O, float>(xw.data_ptr<float>(), K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
+        else
+          panels<T, Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
         i += p1 - p;
       }
     });
   };
   if (S == 2) {
-#if defined(__AVX512BF16__)
     if (float_out)
       run(bf16_t{}, float{});
     else
       run(bf16_t{}, bf16_t{});
-#endif
   } else {
     run(float{}, float{});
   }

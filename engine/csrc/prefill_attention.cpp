@@ -102,7 +102,7 @@ inline void dot_tile(const T* const* x, int64_t steps, const T* w, int64_t ldw, 
     for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s, w += ldw) {
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = St::bcast(x[r] + s * St::S);
+      const auto xv = St::bcast(x[r] + s * St::S);
       for (int c = 0; c < V; ++c) acc[r][c] = St::fma(acc[r][c], w + c * 16 * St::S, xv);
     }
   }
@@ -260,10 +260,7 @@ bool prefill_attention_supported(const torch::Tensor& q) {
 #if defined(__AVX512F__)
   const int64_t D = q.size(-1);
   const bool shape = D == 16 || D == 32 || D == 64 || D == 96 || D == 128;  // the cases of pv_rows
-  if (q.scalar_type() == torch::kFloat) return shape;
-#if defined(__AVX512BF16__)
-  if (q.scalar_type() == torch::kBFloat16) return shape;
-#endif
+  if (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) return shape;
 #endif
   return false;
 }
@@ -317,9 +314,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
     });
   };
   if (q.scalar_type() == torch::kBFloat16) {
-#if defined(__AVX512BF16__)
     run(bf16_t{});
-#endif
   } else {
     run(float{});
   }

@@ -69,7 +69,7 @@ def test_packed_linear(ops, dtype, rows, k, n, bias):
     within float32 summation error (plus one rounding to bfloat16). n % 96 != 0 leaves a part-filled last panel;
     an odd k a zero-padded last pair."""
     if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
-        pytest.skip(f"this CPU has no packed kernel for {dtype} (it needs AVX-512, and AVX512_BF16 for bfloat16)")
+        pytest.skip(f"this CPU has no packed kernel for {dtype} (it needs AVX-512)")
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
@@ -437,7 +437,7 @@ def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, di
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(context, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim : width].view(context, kv_heads, dim)
     if not ops.prefill_attention_supported(q):
-        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512, and AVX512_BF16 for bfloat16)")
+        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512)")
     mask = torch.ones(length, context, dtype=torch.bool).tril(context - length)
     as_heads = lambda t: t.double().transpose(0, 1)[None]  # noqa: E731
     want = torch.nn.functional.scaled_dot_product_attention(

@@ -990,6 +990,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention serves q's dtype and D");
   m.def("prefill_attention", &prefill_attention, "causal GQA attention of the last L of C positions, packed panels");
   m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
+  m.def("set_widened_bf16", &set_widened_bf16, "packed_linear's bfloat16 widened to float32 FMAs (as without AVX512_BF16) or not");
   m.def("set_amx", &set_amx, "packed_linear, prefill_attention (bfloat16) and qlinear on the AMX tiles (default) or not");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
   m.def("huge_page_buffer", &huge_page_buffer, "uninitialised bytes on 2 MiB-aligned memory advised for huge pages");

@@ -39,6 +39,7 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
                                  const c10::optional<torch::Tensor>& next, int64_t next_N);
 int64_t packed_silu_half_panel();
 bool set_amx(bool enabled);
+bool set_widened_bf16(bool enabled);
 
 // prefill_attention.cpp
 bool prefill_attention_supported(const torch::Tensor& q);

@@ -65,6 +65,7 @@ constexpr bool DOT_PRODUCTS_BF16 = true;
 #else
 constexpr bool DOT_PRODUCTS_BF16 = false;
 #endif
+bool widened_bf16 = false;  // widened even where vdpbf16ps is there (set_widened_bf16, for tests)
 
 using tandem_simd::columns;
 using tandem_simd::store16;
@@ -89,9 +90,8 @@ inline __m512 silu_mul16(__m512 gate, __m512 up) {
   return _mm512_mul_ps(round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{}), u);
 }
 
-#if !defined(__AVX512BF16__)
 // One pair of k of R rows of x, widened to float32 beforehand, against a panel step of bfloat16 pairs, each weight
-// vector widened once (Step<bf16_t>'s widening and order, so the same bits): written out because in Step's loop
+// vector widened once (WidenedStep's widening and order, so the same bits): written out because in Step's loop
 // order GCC keeps all NV widened pairs live at once, 12 registers, and spills accumulators. Against that order
 // on a 2-core Ice Lake Xeon, as a share of packed float32's rate in the same run: 0.97 / 0.87 / 0.95 at
 // 64 / 256 / 1,024 rows against 0.67 / 0.75 / 0.71.
@@ -110,10 +110,6 @@ inline void widened_step(const float* x, int64_t K, const bf16_t* w, __m512 (&ac
     }
   }
 }
-#else
-template <int R>
-inline void widened_step(const float*, int64_t, const bf16_t*, __m512 (&)[R][NV]) {}
-#endif
 
 // R rows of x against one panel: y[0..R) x [0, cols), `cols` < NR only in the last panel (< NR / 2 for
 // Out::SiluMul, whose outputs are half the panel's columns).
@@ -362,7 +358,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
     const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
     Y* yp = reinterpret_cast<Y*>(y.data_ptr());
     // Without AVX512_BF16, bfloat16 rows of x widened once per call, for widened_step to broadcast from memory.
-    const bool widen = std::is_same_v<T, bf16_t> && !DOT_PRODUCTS_BF16;
+    const bool widen = std::is_same_v<T, bf16_t> && (!DOT_PRODUCTS_BF16 || widened_bf16);
     const torch::Tensor xw = widen ? xc.to(torch::kFloat) : torch::Tensor();
     // Work items are (row block, panel) pairs, panel-major within a row block, so each thread streams
     // its own run of panels from memory.
@@ -375,7 +371,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
         const Tail t = p1 - p == i1 - i ? tail : Tail{};
 #if defined(TANDEM_AMX)
         if constexpr (std::is_same_v<T, bf16_t>)
-          if (amx) {
+          if (amx && !widen) {
             amx_panels<Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp, t);
             i += p1 - p;
             continue;
@@ -429,6 +425,18 @@ torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& pa
 bool set_amx(bool enabled) {
   tandem_amx::enabled = enabled;
   return enabled && tandem_amx::permitted();
+}
+
+// Runs bfloat16 in packed_linear widened to float32 FMAs (widened_step), as on CPUs without AVX512_BF16, or not
+// (the default); whether it now does: true wherever the CPU has no AVX512_BF16. For tests, which compare the two
+// kernels where both exist.
+bool set_widened_bf16(bool enabled) {
+#if defined(__AVX512F__)
+  widened_bf16 = enabled;
+  return enabled || !DOT_PRODUCTS_BF16;
+#else
+  return false;
+#endif
 }
 
 // Columns per half-panel of packed_linear_silu's layout (the rows of G, then of U, that one panel holds).

@@ -111,15 +111,16 @@ struct Step<bf16_t> {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_castps_si512(xv));
   }
 };
-#else
+#endif
+
 // Without AVX512_BF16 (Ice Lake, Cascade Lake): the same panels, each 32-bit lane of a pair widened in registers,
 // the odd element by a mask and the even by a shift, then two float32 FMAs in vdpbf16ps's order (odd, then
 // even; each product exact). Half the weight bytes of float32 at 87-97% of its multiply rate: over the default
 // model's matrices on a 2-core Ice Lake Xeon, 188 / 188 / 208 / 190 GFLOP/s at 16 / 64 / 256 / 1,024 rows
 // (packed float32 163 / 194 / 238 / 201), where bfloat16 ran on the streaming kernel at 117 / 126 / 114 / 76 and
-// oneDNN's bfloat16 GEMM, without the instructions, at 45-63.
-template <>
-struct Step<bf16_t> {
+// oneDNN's bfloat16 GEMM, without the instructions, at 45-63. Step<bf16_t> there (prefill attention's products);
+// packed_linear runs the same products in a loop order of its own (widened_step), on every AVX-512 CPU on demand.
+struct WidenedStep {
   static constexpr int S = 2;
   struct Pair {
     __m512 even, odd;
@@ -132,6 +133,9 @@ struct Step<bf16_t> {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), xv.even, acc);
   }
 };
+#if !defined(__AVX512BF16__)
+template <>
+struct Step<bf16_t> : WidenedStep {};
 #endif
 
 // The lanes of a vector of 16 columns that hold one of the `left` columns still to write.

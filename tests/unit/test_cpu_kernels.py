@@ -104,6 +104,35 @@ def test_packed_linear_on_amx_tiles_matches_the_dot_product_kernel(ops, rows, k,
         torch.testing.assert_close(a.float(), d.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 45, 300])  # micro-tiles of 1-4 rows, a block of 256 and a part one
+@pytest.mark.parametrize("k, n", [(576, 960), (1535, 200), (64, 13)])  # an odd k: the zero-padded last pair
+def test_packed_linear_widened_bfloat16(ops, rows, k, n):
+    """bfloat16 pairs widened to float32 FMAs, the kernel of CPUs without AVX512_BF16 (switched on here wherever
+    the CPU has it): within one rounding of a float64 product of the same values, float32 out the same values as
+    the bfloat16 out, and within one rounding of the vdpbf16ps or tile kernel (with the bias and the fused SiLU)."""
+    if not ops.packed_linear_supported(torch.empty(0, 0, dtype=torch.bfloat16)):
+        pytest.skip("this CPU has no packed bfloat16 kernel (it needs AVX-512)")
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w)
+    native = not ops.set_widened_bf16(False)
+    try:
+        assert ops.set_widened_bf16(True) is True
+        widened = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
+        plain, as_float = (ops.packed_linear(x, packed, n, None, float_out=f) for f in (False, True))
+    finally:
+        ops.set_widened_bf16(False)
+    assert native == ("avx512_bf16" in cpu_ops.cpu_flags())
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(widened[0].double(), want, atol=2e-2, rtol=1e-2)
+    assert as_float.dtype == torch.float32 and torch.equal(as_float, plain.float())
+    default = ops.packed_linear(x, packed, n, b), ops.packed_linear_silu(x, packed, n // 2)
+    for a, d in zip(widened, default, strict=True):
+        torch.testing.assert_close(a.float(), d.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_rows_do_not_depend_on_the_batch(ops, dtype):
     """A row's sum runs in one order wherever it falls in a micro-tile or row block, so a sequence decodes the

@@ -25,7 +25,7 @@ run: model
 
 test: model
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: model
 	$(VENV)/bin/ruff check .

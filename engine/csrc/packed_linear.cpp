@@ -16,7 +16,8 @@
 // tile, so a row's result does not depend on the batch it came in.
 //
 // On CPUs with AMX, bfloat16 runs on the tiles over these same panels (amx_panels below) wherever K is
-// a whole number of 32-k chunks; the dot-product micro-kernel serves float32 and the rest.
+// a whole number of 32-k chunks; the dot-product micro-kernel serves float32 and the rest. On CPUs without
+// AVX512_BF16, bfloat16 pairs are widened in registers to float32 FMAs (widened_step).
 
 #include <torch/extension.h>
 
@@ -357,7 +358,8 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
     const T* xp = reinterpret_cast<const T*>(xc.data_ptr());
     const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
     Y* yp = reinterpret_cast<Y*>(y.data_ptr());
-    // Without AVX512_BF16, bfloat16 rows of x widened once per call, for widened_step to broadcast from memory.
+    // Without AVX512_BF16 (or with set_widened_bf16), bfloat16 rows of x widened once per call, for widened_step
+    // to broadcast from memory.
     const bool widen = std::is_same_v<T, bf16_t> && (!DOT_PRODUCTS_BF16 || widened_bf16);
     const torch::Tensor xw = widen ? xc.to(torch::kFloat) : torch::Tensor();
     // Work items are (row block, panel) pairs, panel-major within a row block, so each thread streams

@@ -127,8 +127,8 @@ def hf_single(model, prompt: list[int], new: int, pad_id: int) -> float:
     def gen(n: int) -> float:
         with torch.inference_mode():
             return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id),
-                          str(model.device))
+                                                max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id),
+                         str(model.device))
 
     t1, tn = gen(1), gen(new)
     return (new - 1) / (tn - t1)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine import Engine, SamplingParams
-from tandem.bench.timing import best_of
+from tandem.bench.timing import best_of, timed
 
 OP_CLASSES = ("linear", "attention", "norm/rope/act", "sampling", "other")
 BATCH_SIZES = (1, 16, 64, 256)
@@ -173,12 +173,6 @@ def gemm_rate_gflops(dtype: torch.dtype, kernels: Any = None, device: str = "cpu
     return 2.0 * m * k * n / best / 1e9
 
 
-def _seconds(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def profile_decode(engine: Engine, rec: Recorder, batch: int, vocab: int, seed: int, steps: int,
                    bw: float, gemm: float) -> dict:
     """The median of ``steps`` plain decode steps with ``batch`` requests running (all of them decoding: none ends
@@ -196,9 +190,9 @@ def profile_decode(engine: Engine, rec: Recorder, batch: int, vocab: int, seed: 
     for _ in range(steps):  # timed and plain steps alternate: the wrappers' own Python (~0.3 ms a step at batch
         assert len(engine.scheduler.running) == batch  # 16) stays out of the step time
         rec.reset()
-        per_step.append((_seconds(engine.step), {k: replace(v) for k, v in rec.costs.items()}))
+        per_step.append((timed(engine.step), {k: replace(v) for k, v in rec.costs.items()}))
         timing(engine, rec, False)
-        plain.append(_seconds(engine.step))
+        plain.append(timed(engine.step))
         timing(engine, rec, True)
     for rid in ids:
         engine.abort(rid)
@@ -222,7 +216,7 @@ def profile_prefill(engine: Engine, rec: Recorder, vocab: int, seed: int, bw: fl
         engine.add_request([rng.randrange(100, vocab - 100) for _ in range(tokens)],
                            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         rec.reset()
-        t = _seconds(engine.step)
+        t = timed(engine.step)
         assert not engine.has_unfinished(), "the prompt must fit one step (max_num_batched_tokens)"
         if best is None or t < best[0]:
             best = (t, dict(rec.costs))

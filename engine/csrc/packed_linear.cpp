@@ -60,7 +60,7 @@ constexpr bool PACKED = true;
 
 using tandem_simd::Step;
 
-constexpr bool PACKED_BF16 = true;  // with AVX512_BF16's dot products, or widened (widened_step)
+// bfloat16 runs on AVX512_BF16's dot products where the CPU has them, else widened (widened_step).
 #if defined(__AVX512BF16__)
 constexpr bool DOT_PRODUCTS_BF16 = true;
 #else
@@ -98,16 +98,13 @@ inline __m512 silu_mul16(__m512 gate, __m512 up) {
 // 64 / 256 / 1,024 rows against 0.67 / 0.75 / 0.71.
 template <int R>
 inline void widened_step(const float* x, int64_t K, const bf16_t* w, __m512 (&acc)[R][NV]) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) {
-    const __m512i wv = _mm512_loadu_si512(w + v * 32);
-    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
-    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+    const auto wv = tandem_simd::WidenedStep::widen(w + v * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      acc[r][v] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * K + 1]), acc[r][v]);
-      acc[r][v] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * K]), acc[r][v]);
+      acc[r][v] = _mm512_fmadd_ps(wv.odd, _mm512_set1_ps(x[r * K + 1]), acc[r][v]);
+      acc[r][v] = _mm512_fmadd_ps(wv.even, _mm512_set1_ps(x[r * K]), acc[r][v]);
     }
   }
 }
@@ -270,7 +267,6 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 #endif
 #else
 constexpr bool PACKED = false;
-constexpr bool PACKED_BF16 = false;
 #endif
 
 template <typename T>
@@ -301,8 +297,7 @@ Tail tail_of(const c10::optional<torch::Tensor>& next, int64_t next_N, int64_t t
 }  // namespace
 
 bool packed_linear_supported(const torch::Tensor& weight) {
-  if (weight.scalar_type() == torch::kFloat) return PACKED;
-  return weight.scalar_type() == torch::kBFloat16 && PACKED_BF16;
+  return PACKED && (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16);
 }
 
 // weight [N, K] -> its panels, flat; the same dtype.

@@ -76,14 +76,14 @@ inline __m512 exp2_16(__m512 y) {
 }
 
 inline __m512 round16(__m512 v, float) { return v; }
-// Rounds to bfloat16 (nearest even, as from_float) and back; NaN stays NaN.
+// Rounds to bfloat16 (nearest even) and back, as from_float then to_float: NaN becomes from_float's quiet NaN.
 inline __m512 round16(__m512 v, bf16_t) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, rounded, v);
+  return _mm512_mask_blend_ps(nan, rounded, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
 }
 
 // One element step (S columns of x, S = 1 float32 or a bfloat16 pair) of the register-blocked micro-kernels
@@ -126,11 +126,15 @@ struct WidenedStep {
     __m512 even, odd;
   };
   static Pair bcast(const bf16_t* x) { return {_mm512_set1_ps(to_float(x[0])), _mm512_set1_ps(to_float(x[1]))}; }
-  static __m512 fma(__m512 acc, const bf16_t* w, Pair xv) {
+  // 16 pairs (32 bfloat16 values) as the float32 vectors of their even and of their odd elements.
+  static Pair widen(const bf16_t* w) {
     const __m512i wv = _mm512_loadu_si512(w);
-    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-    acc = _mm512_fmadd_ps(odd, xv.odd, acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), xv.even, acc);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  static __m512 fma(__m512 acc, const bf16_t* w, Pair xv) {
+    const Pair wv = widen(w);
+    return _mm512_fmadd_ps(wv.even, xv.even, _mm512_fmadd_ps(wv.odd, xv.odd, acc));
   }
 };
 #if !defined(__AVX512BF16__)
@@ -145,16 +149,12 @@ inline __mmask16 columns(int64_t left) {
 
 inline void store16(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
 // 16 floats as bfloat16, nearest even: vcvtneps2bf16 where the CPU has it (denormals flush to zero), else
-// from_float's rounding (torch's, exactly) in integer lanes.
+// round16's bits (from_float's rounding, torch's exactly) packed down.
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16));
 #endif
 }
 inline void store16(bf16_t* y, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(y, mask, to_bf16(v)); }

@@ -115,10 +115,11 @@ struct Step<bf16_t> {
 
 // Without AVX512_BF16 (Ice Lake, Cascade Lake): the same panels, each 32-bit lane of a pair widened in registers,
 // the odd element by a mask and the even by a shift, then two float32 FMAs in vdpbf16ps's order (odd, then
-// even; each product exact). Half the weight bytes of float32 at 87-97% of its multiply rate: over the default
+// even; each product exact). Half the weight bytes of float32 at 75-97% of its multiply rate: over the default
 // model's matrices on a 2-core Ice Lake Xeon, 188 / 188 / 208 / 190 GFLOP/s at 16 / 64 / 256 / 1,024 rows
-// (packed float32 163 / 194 / 238 / 201), where bfloat16 ran on the streaming kernel at 117 / 126 / 114 / 76 and
-// oneDNN's bfloat16 GEMM, without the instructions, at 45-63. Step<bf16_t> there (prefill attention's products);
+// (packed float32 163 / 194 / 238 / 201; an hour later, the host faster, 220-257 against 302-329 at 16-256),
+// where bfloat16 ran on the streaming kernel at 117 / 126 / 114 / 76 and oneDNN's bfloat16 GEMM, without the
+// instructions, at 45-63. Step<bf16_t> there (prefill attention's products);
 // packed_linear runs the same products in a loop order of its own (widened_step), on every AVX-512 CPU on demand.
 struct WidenedStep {
   static constexpr int S = 2;

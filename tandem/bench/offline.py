@@ -78,15 +78,42 @@ def read_bandwidth_gbps(num_threads: int, device: str = "cpu") -> float:
     return (1 << 30) / best / 1e9
 
 
-def tandem_batch(engine, work: Workload) -> float:
+@dataclass(frozen=True, slots=True)
+class BatchRun:
+    """One batched run of the workload, its wall time split by the kind of step: the steps that computed prompt
+    tokens (decode rows of earlier-admitted requests may ride along in them) and the steps that only decoded, so
+    each can be read against its own part of the workload roofline (``prefill_s`` / ``decode_s``)."""
+
+    out_tok_s: float
+    prefill_steps: int
+    prefill_steps_s: float
+    decode_steps: int
+    decode_steps_s: float
+
+
+def tandem_batch_run(engine, work: Workload) -> BatchRun:
     from engine import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
+    steps, seconds = [0, 0], [0.0, 0.0]  # [prefill, decode]
     t = time.perf_counter()
-    outs = engine.generate(work.prompts, params)
+    ids = [engine.add_request(p, sp) for p, sp in zip(work.prompts, params, strict=True)]
+    made = dict.fromkeys(ids, 0)
+    while engine.has_unfinished():
+        prompt_tokens, s = engine.stats.prompt_tokens_computed, time.perf_counter()
+        for out in engine.step():
+            made[out.request_id] += len(out.new_token_ids)
+        kind = int(engine.stats.prompt_tokens_computed == prompt_tokens)
+        steps[kind] += 1
+        seconds[kind] += time.perf_counter() - s
     wall = time.perf_counter() - t
-    assert [len(o) for o in outs] == work.output_lens
-    return work.num_output_tokens / wall
+    assert [made[i] for i in ids] == work.output_lens
+    return BatchRun(work.num_output_tokens / wall, steps[0], seconds[0], steps[1], seconds[1])
+
+
+def tandem_batch(engine, work: Workload) -> float:
+    """Output tokens/s of the workload run as one batch (prefill included)."""
+    return tandem_batch_run(engine, work).out_tok_s
 
 
 def tandem_single(engine, prompt: list[int], new: int) -> float:
@@ -154,7 +181,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str, work: Workload, single_pro
     engine.generate([single_prompt[:16]] * 2)  # warm-up
     row: dict = {"dtype": dtype, "weight_bytes": weight_bytes(engine),
                  "gemm_gflop_s": gemm_rate_gflops(getattr(torch, dtype), engine.runner.model.kernels, args.device)}
-    row["tandem_batch_out_tok_s"] = tandem_batch(engine, work)
+    batch = tandem_batch_run(engine, work)
+    row["tandem_batch_out_tok_s"] = batch.out_tok_s
+    row["tandem_batch_steps"] = asdict(batch)
     row["tandem_single_decode_tok_s"] = tandem_single(engine, single_prompt, args.single_new_tokens)
     assert engine.num_free_blocks == engine.num_total_blocks
     del engine
@@ -227,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
                                  args.max_num_batched_tokens)
         row["workload_roofline"] = asdict(roof)
         row["batch_fraction_of_roofline"] = row["tandem_batch_out_tok_s"] / roof.out_tok_s
+        steps = row["tandem_batch_steps"]
+        row["prefill_fraction_of_roofline"] = roof.prefill_s / steps["prefill_steps_s"]
+        row["decode_fraction_of_roofline"] = roof.decode_s / steps["decode_steps_s"] if steps["decode_steps"] else None
         if "hf_best_batch_out_tok_s" in row:
             row["batch_ratio_vs_hf"] = row["tandem_batch_out_tok_s"] / row["hf_best_batch_out_tok_s"]
             row["single_ratio_vs_hf"] = row["tandem_single_decode_tok_s"] / row["hf_single_decode_tok_s"]
@@ -331,7 +363,24 @@ def format_table(rows: list[dict], bw: float) -> str:
             f"{f(r.get('single_ratio_vs_hf'), '{:.2f}x')} | {f(r['roofline_decode_tok_s'])} | "
             f"{f(r['single_fraction_of_roofline'] * 100, '{:.0f}%')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *format_phases(rows)])
+
+
+def format_phases(rows: list[dict]) -> list[str]:
+    """Where the batched run's time went: steps that computed prompt tokens and steps that only decoded, each
+    against its part of the workload roofline."""
+    lines = ["| dtype | prefill steps | seconds | bound | fraction | decode steps | seconds | bound | fraction |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        steps, roof = r["tandem_batch_steps"], r["workload_roofline"]
+        decode = r["decode_fraction_of_roofline"]
+        lines.append(
+            f"| {r['dtype']} | {steps['prefill_steps']} | {steps['prefill_steps_s']:.2f} | {roof['prefill_s']:.2f} | "
+            f"{r['prefill_fraction_of_roofline'] * 100:.0f}% | {steps['decode_steps']} | "
+            f"{steps['decode_steps_s']:.2f} | {roof['decode_s']:.2f} | "
+            f"{'-' if decode is None else f'{decode * 100:.0f}%'} |"
+        )
+    return lines
 
 
 def write_json(args: argparse.Namespace, rows: list[dict], bw: float, scenarios: dict) -> None:

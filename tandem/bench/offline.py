@@ -92,6 +92,8 @@ class BatchRun:
 
 
 def tandem_batch_run(engine, work: Workload) -> BatchRun:
+    """The workload as one batch, stepped here rather than through ``generate`` so that each step can be told
+    apart by whether it computed prompt tokens."""
     from engine import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
@@ -103,9 +105,9 @@ def tandem_batch_run(engine, work: Workload) -> BatchRun:
         prompt_tokens, s = engine.stats.prompt_tokens_computed, time.perf_counter()
         for out in engine.step():
             made[out.request_id] += len(out.new_token_ids)
-        kind = int(engine.stats.prompt_tokens_computed == prompt_tokens)
-        steps[kind] += 1
-        seconds[kind] += time.perf_counter() - s
+        decode_only = int(engine.stats.prompt_tokens_computed == prompt_tokens)
+        steps[decode_only] += 1
+        seconds[decode_only] += time.perf_counter() - s
     wall = time.perf_counter() - t
     assert [made[i] for i in ids] == work.output_lens
     return BatchRun(work.num_output_tokens / wall, steps[0], seconds[0], steps[1], seconds[1])

@@ -119,8 +119,8 @@ struct Step<bf16_t> {
 // model's matrices on a 2-core Ice Lake Xeon, 188 / 188 / 208 / 190 GFLOP/s at 16 / 64 / 256 / 1,024 rows
 // (packed float32 163 / 194 / 238 / 201; an hour later, the host faster, 220-257 against 302-329 at 16-256),
 // where bfloat16 ran on the streaming kernel at 117 / 126 / 114 / 76 and oneDNN's bfloat16 GEMM, without the
-// instructions, at 45-63. Step<bf16_t> there (prefill attention's products);
-// packed_linear runs the same products in a loop order of its own (widened_step), on every AVX-512 CPU on demand.
+// instructions, at 45-63. Step<bf16_t> there (prefill attention's products); packed_linear runs the same
+// products in a loop order of its own (widened_step), on every AVX-512 CPU on demand.
 struct WidenedStep {
   static constexpr int S = 2;
   struct Pair {

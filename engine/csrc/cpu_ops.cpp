@@ -2,8 +2,8 @@
 // kernels tuned for large matrices.
 //
 // - linear: y = x W^T (+ b) on weights in their plain [N, K] layout (packed_linear.cpp serves the weights
-//   the engine packs at load on AVX-512 CPUs), streaming each weight row once per 4 rows of x. Decode reads every
-//   weight once per step, so it is bound by memory bandwidth, which oneDNN's small-M paths leave
+//   the engine packs at load on AVX-512 and AVX2 CPUs), streaming each weight row once per 4 rows of x.
+//   Decode reads every weight once per step, so it is bound by memory bandwidth, which oneDNN's small-M paths leave
 //   partly unused, bfloat16 ones on CPUs without bf16 dot products most (there its GEMMs are
 //   slow at any M, and this kernel serves every bfloat16 matmul).
 // - paged_decode_attention: one query token per sequence over its paged K/V, read in place from

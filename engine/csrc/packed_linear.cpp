@@ -17,7 +17,8 @@
 //
 // On CPUs with AMX, bfloat16 runs on the tiles over these same panels (amx_panels below) wherever K is
 // a whole number of 32-k chunks; the dot-product micro-kernel serves float32 and the rest. On CPUs without
-// AVX512_BF16, bfloat16 pairs are widened in registers to float32 FMAs (widened_step).
+// AVX512_BF16, bfloat16 pairs are widened in registers to float32 FMAs (widened_step). On CPUs with AVX2 and
+// FMA but no AVX-512, an 8-lane micro-kernel reads the same panels (vector_sums, micro8, panels8).
 
 #include <torch/extension.h>
 
@@ -25,7 +26,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +55,8 @@ constexpr int MR = 4;         // rows of x per micro-tile
 constexpr int64_t M_BLOCK = 256;
 
 int64_t step_of(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16 ? 2 : 1; }
+template <typename T>
+constexpr int64_t step_of_t = std::is_same_v<T, float> ? 1 : 2;
 
 #if defined(__AVX512F__)
 constexpr bool PACKED = true;
@@ -265,6 +268,116 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
   _tile_release();
 }
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA without AVX-512 (Zen 1-3; Intel's cores from Haswell to Alder Lake): the same panels, 8 lanes a
+// vector. A pass runs R rows of x against one 16-column vector of a panel (two 8-lane halves) over all of k:
+// 2R accumulators, the two halves' weights (four widened halves for bfloat16) and the broadcasts fit the 16
+// registers at R = 4, and each k step's 8 FMAs against 6 loads keep the FMA units busy. bfloat16 is widened as
+// WidenedStep does (odd element by a mask, even by a shift; odd FMA first), from x widened once per call. The
+// sums go through a buffer to scalar epilogues: the bias is each sum's first term, as on AVX-512, and the
+// rounding and SiLU are the unfused ops' own expressions (expf), so packed_linear_silu gives silu_mul's bits.
+constexpr bool PACKED = true;
+
+// float32 of a sum stored as Y from products of T: rounded to T's precision first (see store_out).
+template <typename T, typename Y>
+inline Y out_of(float v) {
+  if constexpr (std::is_same_v<Y, float>)
+    return std::is_same_v<T, float> ? v : tandem_simd::to_float(tandem_simd::from_float<T>(v));
+  else
+    return tandem_simd::from_float<Y>(v);
+}
+
+template <typename T>
+inline float round_to(float v) { return tandem_simd::to_float(tandem_simd::from_float<T>(v)); }
+
+// R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
+// sums of each row to out[r * NR, +16), starting from init[16].
+template <typename T, int R>
+inline void vector_sums(const float* x, int64_t K, const T* w, int64_t steps, const float* init, float* out) {
+  __m256 acc[R][2];
+  const __m256 lo = _mm256_loadu_ps(init), hi = _mm256_loadu_ps(init + 8);
+  for (int r = 0; r < R; ++r) acc[r][0] = lo, acc[r][1] = hi;
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t s = 0; s < steps; ++s, w += NR) {
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * K + s);
+        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+      }
+    }
+  } else {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t s = 0; s < steps; ++s, w += NR * 2) {
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * s), xo = _mm256_broadcast_ss(x + r * K + 2 * s + 1);
+        acc[r][0] = _mm256_fmadd_ps(e0, xe, _mm256_fmadd_ps(o0, xo, acc[r][0]));
+        acc[r][1] = _mm256_fmadd_ps(e1, xe, _mm256_fmadd_ps(o1, xo, acc[r][1]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * NR, acc[r][0]);
+    _mm256_storeu_ps(out + r * NR + 8, acc[r][1]);
+  }
+}
+
+// R rows of x against one panel: y[0..R) x [0, cols), as micro() computes them on AVX-512.
+template <typename T, int R, typename Y, Out O>
+inline void micro8(const float* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
+                   int64_t ldy) {
+  constexpr int S = std::is_same_v<T, float> ? 1 : 2;
+  alignas(32) float sums[R * NR];
+  for (int v = 0; v < NV; ++v) {
+    if ((O == Out::SiluMul ? v % (NV / 2) : v) * 16 >= cols) continue;  // no output of this vector is wanted
+    float init[16];
+    for (int l = 0; l < 16; ++l) init[l] = bias && v * 16 + l < cols ? bias[v * 16 + l] : 0.f;
+    vector_sums<T, R>(x, K, panel + v * 16 * S, steps, init, sums + v * 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* sr = sums + r * NR;
+    Y* yr = y + r * ldy;
+    if constexpr (O == Out::SiluMul) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float g = round_to<T>(sr[c]), u = round_to<T>(sr[c + NR / 2]);
+        yr[c] = out_of<T, Y>(round_to<T>(g / (1.f + std::exp(-g))) * u);
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) yr[c] = out_of<T, Y>(sr[c]);
+    }
+  }
+}
+
+// Rows [m0, m1) of x against panels [p0, p1), MR rows at a time; each panel stays in L2 while the rows go by.
+template <typename T, typename Y, Out O>
+void panels8(const float* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0,
+             int64_t p1, const float* bias, int64_t N, Y* y) {
+  constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;
+  const int64_t panel_size = steps * NR * step_of_t<T>;
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* panel = packed + p * panel_size;
+    const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
+    const float* b = bias ? bias + n0 : nullptr;
+    for (int64_t m = m0; m < m1; m += MR) {
+      const float* xm = x + m * K;
+      Y* ym = y + m * N + n0;
+      switch (std::min<int64_t>(MR, m1 - m)) {
+        case 1: micro8<T, 1, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
+        case 2: micro8<T, 2, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
+        case 3: micro8<T, 3, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
+        default: micro8<T, MR, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
+      }
+    }
+  }
+}
 #else
 constexpr bool PACKED = false;
 #endif
@@ -390,6 +503,34 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
   } else {
     run(float{}, float{});
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t m_blocks = (M + M_BLOCK - 1) / M_BLOCK;
+  auto run = [&](auto tag, auto out_tag) {
+    using T = decltype(tag);
+    using Y = decltype(out_tag);
+    const torch::Tensor xf = xc.to(torch::kFloat);  // bfloat16 rows widened once per call
+    const float* xp = xf.data_ptr<float>();
+    const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
+    Y* yp = reinterpret_cast<Y*>(y.data_ptr());
+    at::parallel_for(0, m_blocks * num_panels, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1;) {
+        const int64_t mb = i / num_panels, p = i % num_panels;
+        const int64_t p1 = std::min<int64_t>(num_panels, p + (i1 - i));
+        const int64_t m0 = mb * M_BLOCK, m1 = std::min<int64_t>(M, (mb + 1) * M_BLOCK);
+        panels8<T, Y, O>(xp, K, m0, m1, wp, steps, p, p1, bp, N, yp);
+        i += p1 - p;
+      }
+    });
+  };
+  if (S == 2) {
+    if (float_out)
+      run(bf16_t{}, float{});
+    else
+      run(bf16_t{}, bf16_t{});
+  } else {
+    run(float{}, float{});
+  }
 #endif
   return y;
 }
@@ -432,7 +573,8 @@ bool set_widened_bf16(bool enabled) {
   widened_bf16 = enabled;
   return enabled || !DOT_PRODUCTS_BF16;
 #else
-  return false;
+  (void)enabled;
+  return PACKED;  // AVX2: bfloat16 is always widened
 #endif
 }
 

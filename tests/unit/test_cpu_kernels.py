@@ -69,7 +69,7 @@ def test_packed_linear(ops, dtype, rows, k, n, bias):
     within float32 summation error (plus one rounding to bfloat16). n % 96 != 0 leaves a part-filled last panel;
     an odd k a zero-padded last pair."""
     if not ops.packed_linear_supported(torch.empty(0, 0, dtype=dtype)):
-        pytest.skip(f"this CPU has no packed kernel for {dtype} (it needs AVX-512)")
+        pytest.skip(f"this CPU has no packed kernel for {dtype} (it needs AVX-512, or AVX2 with FMA)")
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
@@ -111,7 +111,7 @@ def test_packed_linear_widened_bfloat16(ops, rows, k, n):
     the CPU has it): within one rounding of a float64 product of the same values, float32 out the same values as
     the bfloat16 out, and within one rounding of the vdpbf16ps or tile kernel (with the bias and the fused SiLU)."""
     if not ops.packed_linear_supported(torch.empty(0, 0, dtype=torch.bfloat16)):
-        pytest.skip("this CPU has no packed bfloat16 kernel (it needs AVX-512)")
+        pytest.skip("this CPU has no packed bfloat16 kernel (it needs AVX-512, or AVX2 with FMA)")
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
@@ -466,7 +466,7 @@ def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, di
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(context, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim : width].view(context, kv_heads, dim)
     if not ops.prefill_attention_supported(q):
-        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512)")
+        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512, or AVX2 with FMA)")
     mask = torch.ones(length, context, dtype=torch.bool).tril(context - length)
     as_heads = lambda t: t.double().transpose(0, 1)[None]  # noqa: E731
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -501,7 +501,7 @@ def test_prefill_attention_refuses_what_it_does_not_serve(ops):
     (``prefill_attention_supported``); called anyway, the kernel raises."""
     q48, q64 = torch.zeros(3, 2, 48), torch.zeros(3, 2, 64)
     if not ops.prefill_attention_supported(q64):
-        pytest.skip("no prefill kernel on this CPU (it needs AVX-512)")
+        pytest.skip("no prefill kernel on this CPU (it needs AVX-512, or AVX2 with FMA)")
     assert not ops.prefill_attention_supported(q48)
     assert not ops.prefill_attention_supported(q64.double())
     with pytest.raises(RuntimeError, match="no kernel here"):

@@ -466,7 +466,7 @@ def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, di
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(context, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim : width].view(context, kv_heads, dim)
     if not ops.prefill_attention_supported(q):
-        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512, or AVX2 with FMA)")
+        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512)")
     mask = torch.ones(length, context, dtype=torch.bool).tril(context - length)
     as_heads = lambda t: t.double().transpose(0, 1)[None]  # noqa: E731
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -501,7 +501,7 @@ def test_prefill_attention_refuses_what_it_does_not_serve(ops):
     (``prefill_attention_supported``); called anyway, the kernel raises."""
     q48, q64 = torch.zeros(3, 2, 48), torch.zeros(3, 2, 64)
     if not ops.prefill_attention_supported(q64):
-        pytest.skip("no prefill kernel on this CPU (it needs AVX-512, or AVX2 with FMA)")
+        pytest.skip("no prefill kernel on this CPU (it needs AVX-512)")
     assert not ops.prefill_attention_supported(q48)
     assert not ops.prefill_attention_supported(q64.double())
     with pytest.raises(RuntimeError, match="no kernel here"):

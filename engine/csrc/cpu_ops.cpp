@@ -51,9 +51,7 @@ using bf16_t = uint16_t;
 using tandem_simd::from_float;
 using tandem_simd::to_float;
 
-// Rounds a float32 value to T's precision and back (identity for float).
-template <typename T>
-inline float round_to(float v) { return to_float(from_float<T>(v)); }
+using tandem_simd::round_to;
 
 template <typename T>
 inline const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }

@@ -279,16 +279,15 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 constexpr bool PACKED = true;
 
 // float32 of a sum stored as Y from products of T: rounded to T's precision first (see store_out).
+using tandem_simd::round_to;
+
 template <typename T, typename Y>
 inline Y out_of(float v) {
   if constexpr (std::is_same_v<Y, float>)
-    return std::is_same_v<T, float> ? v : tandem_simd::to_float(tandem_simd::from_float<T>(v));
+    return round_to<T>(v);
   else
     return tandem_simd::from_float<Y>(v);
 }
-
-template <typename T>
-inline float round_to(float v) { return tandem_simd::to_float(tandem_simd::from_float<T>(v)); }
 
 // R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
 // sums of each row to out[r * NR, +16), starting from init[16].
@@ -361,11 +360,9 @@ inline void panel_sums(const float* x, const T* w, int64_t steps, const float* i
 
 // R rows of x against one panel: y[0..R) x [0, cols), as micro() computes them on AVX-512.
 template <typename T, int R, typename Y, Out O>
-inline void micro8(const float* x, int64_t K, const T* panel, int64_t steps, const float* bias, int64_t cols, Y* y,
+inline void micro8(const float* x, int64_t K, const T* panel, int64_t steps, const float* init, int64_t cols, Y* y,
                    int64_t ldy) {
   alignas(32) float sums[R * NR];
-  float init[NR];
-  for (int c = 0; c < NR; ++c) init[c] = bias && c < cols ? bias[c] : 0.f;
   if constexpr (R == 1) {
     panel_sums<T>(x, panel, steps, init, sums);
   } else {
@@ -396,15 +393,16 @@ void panels8(const float* x, int64_t K, int64_t m0, int64_t m1, const T* packed,
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
-    const float* b = bias ? bias + n0 : nullptr;
+    float init[NR];  // each sum's first term: the bias, zero past the panel's columns
+    for (int c = 0; c < NR; ++c) init[c] = bias && c < cols ? bias[n0 + c] : 0.f;
     for (int64_t m = m0; m < m1; m += MR) {
       const float* xm = x + m * K;
       Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {
-        case 1: micro8<T, 1, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
-        case 2: micro8<T, 2, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
-        case 3: micro8<T, 3, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
-        default: micro8<T, MR, Y, O>(xm, K, panel, steps, b, cols, ym, N); break;
+        case 1: micro8<T, 1, Y, O>(xm, K, panel, steps, init, cols, ym, N); break;
+        case 2: micro8<T, 2, Y, O>(xm, K, panel, steps, init, cols, ym, N); break;
+        case 3: micro8<T, 3, Y, O>(xm, K, panel, steps, init, cols, ym, N); break;
+        default: micro8<T, MR, Y, O>(xm, K, panel, steps, init, cols, ym, N); break;
       }
     }
   }

@@ -32,6 +32,10 @@ inline bf16_t from_float<bf16_t>(float v) {  // round to nearest even, as torch 
   return static_cast<bf16_t>(u >> 16);
 }
 
+// Rounds a float32 value to T's precision and back (identity for float).
+template <typename T>
+inline float round_to(float v) { return to_float(from_float<T>(v)); }
+
 }  // namespace tandem_simd
 
 #if defined(__AVX512F__)

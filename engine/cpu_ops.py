@@ -6,7 +6,9 @@ so the build happens here rather than in a wheel: on first use, or ahead of time
 ``EngineConfig.kernel_cache_dir`` (tandem's services pass ``$TANDEM_HOME/kernels``; the default is
 ``~/.cache/tandem/kernels``), keyed by the source's hash and this CPU's feature flags (a cache
 shared between machines never hands one a build for another's instruction set); concurrent
-builds from several processes wait on torch's build lock. ``EngineConfig.cpu_kernels=False``
+builds from several processes wait on torch's build lock. ``TANDEM_CPU_MARCH`` names another target
+for ``-march`` (``x86-64-v3``: AVX2 and FMA without AVX-512), for a kernel cache built for the oldest CPU of a
+mixed fleet, or to run the AVX2 paths on an AVX-512 machine. ``EngineConfig.cpu_kernels=False``
 (``--no-cpu-kernels``, ``TANDEM_CPU_KERNELS=0``) turns them off, and the engine then runs the same
 model in plain torch ops; so does a machine without a compiler, with a warning.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +32,8 @@ HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.h", "simd
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+CFLAGS = ["-O3", f"-march={os.environ.get('TANDEM_CPU_MARCH') or 'native'}", "-fopenmp", "-ffp-contract=off",
+          "-fno-math-errno"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 

@@ -19,7 +19,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -658,6 +658,17 @@ constexpr bool scores_read_raw_q(int64_t D) {
   return std::is_same_v<T, bf16_t> && HAVE_DPBF16 && (D == 32 || D == 64 || D == 128);
 }
 
+// Whether the scores read q as float32 in pair order, each 16 columns' even elements and then their odd ones: the
+// AVX2 kernel's order for bfloat16 keys (load_cols16).
+template <typename T>
+constexpr bool q_in_pair_order(int64_t D) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return std::is_same_v<T, bf16_t> && (D == 16 || D == 32 || D == 64 || D == 128);
+#else
+  return false;
+#endif
+}
+
 // The task a thread runs next in decode attention: its keys [t0, t1) of K/V head rows `kc` / `vc`, through
 // `table`. Its rows are fetched into L2 during the current task's scores, a share per 16 keys.
 template <typename T>
@@ -668,7 +679,7 @@ struct NextTask {
   int64_t t0 = 0, t1 = 0;
 };
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 template <typename T>
 inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_size, int64_t t, int64_t D) {
   return cache + slot_of(table, block_size, t) * D;
@@ -684,6 +695,9 @@ inline void prefetch_row(const T* row, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + off, Hint);
 }
 constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
+#endif
+
+#if defined(__AVX512F__)
 
 // Scores of keys [t0, t1) for G query heads, 16 keys at a time: each head's 16 dot products stay in
 // vectors and one transpose-add (sum16) turns them into 16 scores, where a horizontal sum per key and
@@ -774,7 +788,7 @@ void values_regs(const float* scores, int64_t G, const T* vc, const int32_t* tab
 // exponentials 16 at a time, values into register accumulators (values_regs). Returns false for other
 // head sizes, and the caller uses the portable loops.
 template <typename T>
-bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
+bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                         const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                         float* m, float* l, float* acc, const NextTask<T>& next) {
   if (D != 16 && D != 32 && D != 64 && D != 128) return false;
@@ -813,9 +827,191 @@ bool attend_part_avx512(const float* qf, const T* qraw, int64_t G, int64_t D, co
   }
   return true;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA without AVX-512 (Zen 1-3, Intel's cores from Haswell to Alder Lake): attend_part on 8 lanes, in the
+// AVX-512 kernel's order (keys 8 at a time, exponentials 8 at a time, values into register accumulators) with the
+// same fetches ahead. bfloat16 rows are widened 16 values per load into the vectors of their even and of their odd
+// elements (a shift and a mask, where widening 8 in order costs a shuffle each): the scores read q in that order
+// (q_in_pair_order), the value sums are kept in it and put back in order as they are stored.
+constexpr int64_t KEYS8 = 8;
+
+// Lane j: the sum of a[j]'s 8 lanes.
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline __m256i lanes_below(int64_t k) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 16 columns of a row as float32 vectors: in order for float32, as (even, odd) elements for bfloat16.
+inline void load_cols16(const float* p, __m256* v) {
+  v[0] = _mm256_loadu_ps(p);
+  v[1] = _mm256_loadu_ps(p + 8);
+}
+inline void load_cols16(const bf16_t* p, __m256* v) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+// load_cols16's inverse for 16 float32 sums: bfloat16's (even, odd) vectors interleaved back into column order.
+template <typename T>
+inline void store_cols16(float* p, __m256 a, __m256 b) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+    a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
+  _mm256_storeu_ps(p, a);
+  _mm256_storeu_ps(p + 8, b);
+}
+
+// scores16 on 8 lanes: keys 8 at a time, 16 columns per step, one transpose-add (sum8) per head and 8 keys.
+template <typename T>
+void scores8(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
+             int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
+  const int64_t n = t1 - t0;
+  const __m256 sc = _mm256_set1_ps(scale);
+  const T* rows[KEYS8];
+  const int64_t groups = (n + KEYS8 - 1) / KEYS8, share = (next.t1 - next.t0 + groups - 1) / groups;
+  int64_t ahead = next.t0;
+  for (int64_t t = t0; t < t1; t += KEYS8) {
+    for (const int64_t end = std::min(next.t1, ahead + share); ahead < end; ++ahead) {
+      const T* row = slot_row(next.kc, next.table, block_size, ahead, D);
+      prefetch_row<_MM_HINT_T1>(row, D);
+      prefetch_row<_MM_HINT_T1>(next.vc + (row - next.kc), D);
+    }
+    const int cnt = static_cast<int>(std::min<int64_t>(KEYS8, t1 - t));
+    for (int j = 0; j < KEYS8; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
+    for (int64_t j = t + KEYS8; j < std::min(t + 2 * KEYS8, t1); ++j)
+      prefetch_row(slot_row(kc, table, block_size, j, D), D);
+    for (int j = 0; j < cnt; ++j) prefetch_row<_MM_HINT_T1>(vc + (rows[j] - kc), D);
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[KEYS8];
+      for (int j = 0; j < KEYS8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m256 q0 = _mm256_loadu_ps(qf + g * D + c), q1 = _mm256_loadu_ps(qf + g * D + c + 8);
+        for (int j = 0; j < KEYS8; ++j) {
+          __m256 k[2];
+          load_cols16(rows[j] + c, k);
+          acc[j] = _mm256_fmadd_ps(k[1], q1, _mm256_fmadd_ps(k[0], q0, acc[j]));
+        }
+      }
+      const __m256 s = _mm256_mul_ps(sum8(acc), sc);
+      if (cnt == KEYS8)
+        _mm256_storeu_ps(scores + g * n + t - t0, s);
+      else
+        _mm256_maskstore_ps(scores + g * n + t - t0, lanes_below(cnt), s);
+    }
+  }
+}
+
+// values_regs on 8 lanes for GN query heads and the columns [c0, c0 + 8 NV): their sums in GN x NV registers (at
+// most 12). GN is a constant and the loops over the array are unrolled by pragma, or GCC 12 keeps the sums in
+// registers and still stores every one of them to the stack on every key (1.6x slower on a 2-core Zen 4).
+// `fetch`: bring the next rows in as the pass goes.
+template <typename T, int NV, int GN>
+void values8_pass(const float* scores, int64_t n, int64_t D, const T* vc, const int32_t* table, int64_t block_size,
+                  int64_t t0, int64_t t1, int64_t c0, bool fetch, float* acc) {
+  __m256 a[GN][NV];
+#pragma GCC unroll 16
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm256_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vrow = slot_row(vc, table, block_size, t, D) + c0;
+    if (fetch && t + VALUE_PREFETCH < t1) prefetch_row(slot_row(vc, table, block_size, t + VALUE_PREFETCH, D), D);
+    __m256 row[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; v += 2) load_cols16(vrow + v * 8, row + v);
+#pragma GCC unroll 16
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_broadcast_ss(scores + g * n + t - t0);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(p, row[v], a[g][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; v += 2) store_cols16<T>(acc + g * D + c0 + v * 8, a[g][v], a[g][v + 1]);
+}
+
+// All G heads' value sums: the columns 32 at a time (16 for D = 16), up to 12 / NV heads a pass; each column
+// range's passes read their own part of the value rows, so together they read each row once.
+template <typename T, int NV>
+void values8(const float* scores, int64_t G, int64_t D, const T* vc, const int32_t* table, int64_t block_size,
+             int64_t t0, int64_t t1, float* acc) {
+  constexpr int GM = 12 / NV;
+  const int64_t n = t1 - t0;
+  for (int64_t c0 = 0; c0 < D; c0 += NV * 8)
+    for (int64_t g0 = 0; g0 < G; g0 += GM) {
+      const bool fetch = c0 == 0 && g0 == 0;  // the first pass brings the rows in
+      const float* sg = scores + g0 * n;
+      float* ag = acc + g0 * D;
+      switch (std::min<int64_t>(GM, G - g0)) {
+#define TANDEM_VALUES8_PASS(GN) \
+  case GN:                      \
+    if constexpr (GN <= GM) values8_pass<T, NV, GN>(sg, n, D, vc, table, block_size, t0, t1, c0, fetch, ag); \
+    break;
+        TANDEM_VALUES8_PASS(1)
+        TANDEM_VALUES8_PASS(2)
+        TANDEM_VALUES8_PASS(3)
+        TANDEM_VALUES8_PASS(4)
+        TANDEM_VALUES8_PASS(5)
+        default: values8_pass<T, NV, GM>(sg, n, D, vc, table, block_size, t0, t1, c0, fetch, ag); break;
+#undef TANDEM_VALUES8_PASS
+      }
+    }
+}
+
+template <typename T>
+bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* kc, const T* vc,
+                     const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
+                     float* m, float* l, float* acc, const NextTask<T>& next) {
+  if (D != 16 && D != 32 && D != 64 && D != 128) return false;
+  const int64_t n = t1 - t0;
+  if (n <= 0) {
+    std::fill(acc, acc + G * D, 0.f);
+    std::fill(m, m + G, -INFINITY);
+    std::fill(l, l + G, 0.f);
+    return true;
+  }
+  scores8<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
+  const __m256i tail = lanes_below(n % 8);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    m[g] = tandem_simd::row_max8(sg, n);
+    const __m256 top = _mm256_set1_ps(m[g]);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = tandem_simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), top));
+      _mm256_storeu_ps(sg + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (i < n) {  // masked-off lanes load 0, and their exponentials are masked out of the sum
+      const __m256 e = _mm256_and_ps(tandem_simd::exp8(_mm256_sub_ps(_mm256_maskload_ps(sg + i, tail), top)),
+                                     _mm256_castsi256_ps(tail));
+      _mm256_maskstore_ps(sg + i, tail, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    l[g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  }
+  if (D == 16)
+    values8<T, 2>(scores, G, D, vc, table, block_size, t0, t1, acc);
+  else
+    values8<T, 4>(scores, G, D, vc, table, block_size, t0, t1, acc);
+  return true;
+}
 #else
 template <typename T>
-bool attend_part_avx512(const float*, const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t,
+bool attend_part_vec(const float*, const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t,
                         int64_t, int64_t, float, float*, float*, float*, float*, const NextTask<T>&) {
   return false;
 }
@@ -826,7 +1022,7 @@ template <typename T>
 void attend_range(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                   const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                   float* m, float* l, float* acc, const NextTask<T>& next) {
-  if (!attend_part_avx512<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc, next))
+  if (!attend_part_vec<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc, next))
     attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }
 
@@ -887,6 +1083,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
     const bool q_as_is = scores_read_raw_q<T>(D);  // else every path reads q in float32
+    const bool q_pairs = q_in_pair_order<T>(D);
     // Task i's keys: its sequence, K/V head and key range. The loop below writes the same arithmetic out again for
     // its own task: running it through this lambda measured 8-16% slower (docs/benchmarks.md, fifth pass).
     const auto task = [&](int64_t i) {
@@ -902,7 +1099,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
         const NextTask<T> next = i + 1 < i1 ? task(i + 1) : NextTask<T>{};
-        if (!q_as_is)
+        if (q_pairs)
+          for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[(j & ~int64_t{15}) + (j & 8 ? 2 * (j & 7) + 1 : 2 * (j & 7))]);
+        else if (!q_as_is)
           for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
         float* a = &acc[i * G * D];
         attend_range<T>(qf.data(), qh, G, D, kp + h * S * D, vp + h * S * D, tp + b * max_blocks, block_size, t0, t1,

@@ -3,6 +3,7 @@
 // kernels give the same bits as the eager ops they replace.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -191,6 +192,46 @@ struct PacedFetch {
     for (owed += rate; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
   }
 };
+
+}  // namespace tandem_simd
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace tandem_simd {
+
+// exp of 8 floats x <= 0 (a softmax's exponents), for AVX2 CPUs: exp16's steps, 2^n built in the exponent field
+// where exp16 scales with vscalefps. For n in [-126, 0] both scale by one correctly rounded multiply, so the two
+// give the same bits.
+inline __m256 exp8(__m256 x) {
+  constexpr float log2e = 1.44269504088896341f;
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// max(s[0, n)), n > 0, 8 lanes at a time with two accumulators (row_max's AVX2 form).
+inline float row_max8(const float* s, int64_t n) {
+  __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    a = _mm256_max_ps(a, _mm256_loadu_ps(s + j));
+    b = _mm256_max_ps(b, _mm256_loadu_ps(s + j + 8));
+  }
+  a = _mm256_max_ps(a, b);
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  float lanes[4];
+  _mm_storeu_ps(lanes, h);
+  float mx = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
 
 }  // namespace tandem_simd
 #endif

@@ -29,11 +29,11 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "decode_stack.cpp")]
 # Not compiled on their own; part of the build's key.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.h", "simd_math.h", "amx_tiles.h")]
+MARCH = os.environ.get("TANDEM_CPU_MARCH") or "native"  # the instruction set the kernels are built for
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like
 # eager torch's.
-CFLAGS = ["-O3", f"-march={os.environ.get('TANDEM_CPU_MARCH') or 'native'}", "-fopenmp", "-ffp-contract=off",
-          "-fno-math-errno"]
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem" / "kernels"
 
 

@@ -835,14 +835,6 @@ bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const
 // (q_in_pair_order), the value sums are kept in it and put back in order as they are stored.
 constexpr int64_t KEYS8 = 8;
 
-// Lane j: the sum of a[j]'s 8 lanes.
-inline __m256 sum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 inline __m256i lanes_below(int64_t k) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -869,12 +861,47 @@ inline void store_cols16(float* p, __m256 a, __m256 b) {
   _mm256_storeu_ps(p + 8, b);
 }
 
-// scores16 on 8 lanes: keys 8 at a time, 16 columns per step, one transpose-add (sum8) per head and 8 keys.
+// Scores of 4 keys (`rows`, the first `live` of them stored) for GH query heads: each key's 16 columns loaded and
+// widened once for all GH heads, whose q vectors are read from L1 by the FMAs; 4 x GH sums in registers, reduced
+// 4 at a time by one transpose-add per head. Per 16 columns and 4 keys of 3 heads, 12 loads and widenings and 24
+// FMAs, where a head at a time (8 keys a pass) widened every key again for each head.
+template <typename T, int GH>
+inline void scores4(const float* qg, int64_t D, int64_t n, const T* const* rows, int live, float scale, float* out) {
+  __m256 acc[GH][4];
+#pragma GCC unroll 16
+  for (int g = 0; g < GH; ++g)
+#pragma GCC unroll 16
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 4; ++j) {
+      __m256 k[2];
+      load_cols16(rows[j] + c, k);
+#pragma GCC unroll 16
+      for (int g = 0; g < GH; ++g)
+        acc[g][j] = _mm256_fmadd_ps(k[1], _mm256_loadu_ps(qg + g * D + c + 8),
+                                    _mm256_fmadd_ps(k[0], _mm256_loadu_ps(qg + g * D + c), acc[g][j]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GH; ++g) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale));
+    if (live == 4) {
+      _mm_storeu_ps(out + g * n, s);
+    } else {
+      float lanes[4];
+      _mm_storeu_ps(lanes, s);
+      std::copy(lanes, lanes + live, out + g * n);
+    }
+  }
+}
+
+// scores16 on 8 lanes: the same fetches ahead per 8 keys, whose scores scores4 computes 4 keys by 3 heads at a time.
 template <typename T>
 void scores8(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
              int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
   const int64_t n = t1 - t0;
-  const __m256 sc = _mm256_set1_ps(scale);
   const T* rows[KEYS8];
   const int64_t groups = (n + KEYS8 - 1) / KEYS8, share = (next.t1 - next.t0 + groups - 1) / groups;
   int64_t ahead = next.t0;
@@ -889,22 +916,18 @@ void scores8(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, co
     for (int64_t j = t + KEYS8; j < std::min(t + 2 * KEYS8, t1); ++j)
       prefetch_row(slot_row(kc, table, block_size, j, D), D);
     for (int j = 0; j < cnt; ++j) prefetch_row<_MM_HINT_T1>(vc + (rows[j] - kc), D);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[KEYS8];
-      for (int j = 0; j < KEYS8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < D; c += 16) {
-        const __m256 q0 = _mm256_loadu_ps(qf + g * D + c), q1 = _mm256_loadu_ps(qf + g * D + c + 8);
-        for (int j = 0; j < KEYS8; ++j) {
-          __m256 k[2];
-          load_cols16(rows[j] + c, k);
-          acc[j] = _mm256_fmadd_ps(k[1], q1, _mm256_fmadd_ps(k[0], q0, acc[j]));
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const float* qg = qf + g0 * D;
+      float* out = scores + g0 * n + t - t0;
+      for (int half = 0; half < 2; ++half) {
+        const int live = std::min(4, cnt - 4 * half);
+        if (live <= 0) break;
+        switch (std::min<int64_t>(3, G - g0)) {
+          case 1: scores4<T, 1>(qg, D, n, rows + 4 * half, live, scale, out + 4 * half); break;
+          case 2: scores4<T, 2>(qg, D, n, rows + 4 * half, live, scale, out + 4 * half); break;
+          default: scores4<T, 3>(qg, D, n, rows + 4 * half, live, scale, out + 4 * half); break;
         }
       }
-      const __m256 s = _mm256_mul_ps(sum8(acc), sc);
-      if (cnt == KEYS8)
-        _mm256_storeu_ps(scores + g * n + t - t0, s);
-      else
-        _mm256_maskstore_ps(scores + g * n + t - t0, lanes_below(cnt), s);
     }
   }
 }

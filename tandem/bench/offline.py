@@ -324,14 +324,16 @@ def run_step_profile(args: argparse.Namespace, bw: float) -> list[dict]:
     base = {k: v for k, v in asdict(config).items() if k != "model_config"}
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
            if f in cpu_ops.cpu_flags().split()]
-    print(f"step profile on {platform.processor() or platform.machine()}: {' '.join(isa)}", file=sys.stderr)
+    march = cpu_ops.MARCH
+    print(f"step profile on {platform.processor() or platform.machine()}: {' '.join(isa)}; kernels built for {march}",
+          file=sys.stderr)
     batches = tuple(int(b) for b in args.profile_batches.split(","))
     results = []
     for dtype in args.dtypes.split(","):
         r = step_profile(lambda **o: Engine(EngineConfig(**{**base, **o})), dtype,
                          config.model_config.vocab_size, args.seed, bw, batches,
                          measure_bw=lambda: read_bandwidth_gbps(torch.get_num_threads(), args.device))
-        results.append({**r, "isa": isa})
+        results.append({**r, "isa": isa, "kernel_march": march})
         print(format_profile(r), file=sys.stderr)
     return results
 

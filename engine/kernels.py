@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_ops
+from engine.dense_linear import dense_linear
 from engine.quant import Fp8Weight, QuantizedWeight, fp8_linear
 from engine.quant.reference import qlinear_dequantized
 
@@ -75,7 +76,7 @@ class TorchKernels:
             return qlinear_dequantized(x, weight, bias)
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return dense_linear(x, weight, bias)
 
     def logits(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """``linear(x, weight)`` in x's dtype, returned as float32 (what sampling reads)."""

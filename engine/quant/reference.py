@@ -7,10 +7,9 @@ only in the order float32 sums are taken.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from engine.dense_linear import dense_linear
 from engine.quant.packing import BLOCK
 from engine.quant.weight import QuantizedWeight, dequantize
 
@@ -34,17 +33,5 @@ def qlinear_reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | 
 
 
 def qlinear_dequantized(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The portable path (no CPU kernels, other devices): dequantize, then an ordinary matmul. bfloat16 on a CPU
-    whose oneDNN has no bfloat16 GEMM (no AVX-512) multiplies the same bfloat16 values in float32: torch's own
-    bfloat16 GEMM there ran 4.7 GFLOP/s against float32's 36 (an AVX2 EPYC, one thread, 512 x 576 x 1536)."""
-    weight = dequantize(w, x.dtype).to(x.device)
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_bf16_gemm():
-        out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return out.to(x.dtype)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-@functools.cache
-def cpu_bf16_gemm() -> bool:
-    """Whether torch multiplies bfloat16 matrices through oneDNN on this CPU (else by a scalar fallback)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """The portable path (no CPU kernels, other devices): dequantize, then torch's matmul (``dense_linear``)."""
+    return dense_linear(x, dequantize(w, x.dtype).to(x.device), bias)

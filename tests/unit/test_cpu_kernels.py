@@ -331,9 +331,10 @@ def test_cpu_kernels_pack_float_weights_once_and_serve_them(kernels):
     assert ref.prepare_weight(w) is w
 
 
-@pytest.mark.parametrize("rows, vocab", [(1, 49152), (16, 49152), (3, 17), (5, 1)])
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (16, 49152), (3, 17), (5, 1), (4, 40)])
 def test_argmax_rows_answers_as_torch_argmax(ops, rows, vocab):
-    """Ties go to the first index, NaN wins (its first one), -inf-only rows give 0, a ragged last vector counts."""
+    """Ties go to the first index (in other lanes, in the same lane later, in the ragged last vector), NaN wins (its
+    first one), -inf-only rows give 0."""
     g = torch.Generator().manual_seed(rows + vocab)
     x = torch.randn(rows, vocab, generator=g)
     if vocab > 16:
@@ -341,6 +342,8 @@ def test_argmax_rows_answers_as_torch_argmax(ops, rows, vocab):
     if rows > 2 and vocab > 16:
         x[1, 9] = x[1, 12] = float("nan")
         x[2] = float("-inf")
+    if rows > 3 and vocab > 32:
+        x[3, 27] = x[3, 11] = x[3, 19] = x[3, 3] = x[3].max() + 1  # the first, 3, behind three ties
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(x.bfloat16())

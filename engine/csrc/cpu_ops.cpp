@@ -789,8 +789,8 @@ void values_regs(const float* scores, int64_t G, const T* vc, const int32_t* tab
 // head sizes, and the caller uses the portable loops.
 template <typename T>
 bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
-                        const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
-                        float* m, float* l, float* acc, const NextTask<T>& next) {
+                     const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
+                     float* m, float* l, float* acc, const NextTask<T>& next) {
   if (D != 16 && D != 32 && D != 64 && D != 128) return false;
   const int64_t n = t1 - t0;
   if (n <= 0) {
@@ -963,6 +963,15 @@ void values8_pass(const float* scores, int64_t n, int64_t D, const T* vc, const 
     for (int v = 0; v < NV; v += 2) store_cols16<T>(acc + g * D + c0 + v * 8, a[g][v], a[g][v + 1]);
 }
 
+// values8_pass for the gn <= GN heads at `scores`: GN a constant, chosen down from the most that fit.
+template <typename T, int NV, int GN>
+void values8_heads(int64_t gn, const float* scores, int64_t n, int64_t D, const T* vc, const int32_t* table,
+                   int64_t block_size, int64_t t0, int64_t t1, int64_t c0, bool fetch, float* acc) {
+  if constexpr (GN > 1)
+    if (gn < GN) return values8_heads<T, NV, GN - 1>(gn, scores, n, D, vc, table, block_size, t0, t1, c0, fetch, acc);
+  values8_pass<T, NV, GN>(scores, n, D, vc, table, block_size, t0, t1, c0, fetch, acc);
+}
+
 // All G heads' value sums: the columns 32 at a time (16 for D = 16), up to 12 / NV heads a pass; each column
 // range's passes read their own part of the value rows, so together they read each row once.
 template <typename T, int NV>
@@ -971,24 +980,9 @@ void values8(const float* scores, int64_t G, int64_t D, const T* vc, const int32
   constexpr int GM = 12 / NV;
   const int64_t n = t1 - t0;
   for (int64_t c0 = 0; c0 < D; c0 += NV * 8)
-    for (int64_t g0 = 0; g0 < G; g0 += GM) {
-      const bool fetch = c0 == 0 && g0 == 0;  // the first pass brings the rows in
-      const float* sg = scores + g0 * n;
-      float* ag = acc + g0 * D;
-      switch (std::min<int64_t>(GM, G - g0)) {
-#define TANDEM_VALUES8_PASS(GN) \
-  case GN:                      \
-    if constexpr (GN <= GM) values8_pass<T, NV, GN>(sg, n, D, vc, table, block_size, t0, t1, c0, fetch, ag); \
-    break;
-        TANDEM_VALUES8_PASS(1)
-        TANDEM_VALUES8_PASS(2)
-        TANDEM_VALUES8_PASS(3)
-        TANDEM_VALUES8_PASS(4)
-        TANDEM_VALUES8_PASS(5)
-        default: values8_pass<T, NV, GM>(sg, n, D, vc, table, block_size, t0, t1, c0, fetch, ag); break;
-#undef TANDEM_VALUES8_PASS
-      }
-    }
+    for (int64_t g0 = 0; g0 < G; g0 += GM)  // the first pass brings the rows in
+      values8_heads<T, NV, GM>(std::min<int64_t>(GM, G - g0), scores + g0 * n, n, D, vc, table, block_size, t0, t1,
+                               c0, c0 == 0 && g0 == 0, acc + g0 * D);
 }
 
 template <typename T>
@@ -1035,7 +1029,7 @@ bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* k
 #else
 template <typename T>
 bool attend_part_vec(const float*, const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int64_t,
-                        int64_t, int64_t, float, float*, float*, float*, float*, const NextTask<T>&) {
+                     int64_t, int64_t, float, float*, float*, float*, float*, const NextTask<T>&) {
   return false;
 }
 #endif
@@ -1122,8 +1116,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
         const NextTask<T> next = i + 1 < i1 ? task(i + 1) : NextTask<T>{};
-        if (q_pairs)
-          for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[(j & ~int64_t{15}) + (j & 8 ? 2 * (j & 7) + 1 : 2 * (j & 7))]);
+        if (q_pairs)  // per 16 columns: the 8 even ones, then the 8 odd ones
+          for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[(j & ~int64_t{15}) + 2 * (j & 7) + (j >> 3 & 1)]);
         else if (!q_as_is)
           for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
         float* a = &acc[i * G * D];

@@ -1,6 +1,6 @@
 // Math shared by the kernel files (cpu_ops.cpp, packed_linear.cpp, prefill_attention.cpp): bfloat16 <-> float32
 // conversions as torch rounds them, and (AVX-512 builds) exp and that rounding 16 lanes at a time, so fused
-// kernels give the same bits as the eager ops they replace.
+// kernels give the same bits as the eager ops they replace; exp8 and row_max8 for AVX2 builds.
 #pragma once
 
 #include <algorithm>

@@ -792,13 +792,7 @@ bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const
                      const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                      float* m, float* l, float* acc, const NextTask<T>& next) {
   if (D != 16 && D != 32 && D != 64 && D != 128) return false;
-  const int64_t n = t1 - t0;
-  if (n <= 0) {
-    std::fill(acc, acc + G * D, 0.f);
-    std::fill(m, m + G, -INFINITY);
-    std::fill(l, l + G, 0.f);
-    return true;
-  }
+  const int64_t n = t1 - t0;  // > 0 (attend_range)
   scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % LANES)) - 1);  // the last n % 16 keys
   for (int64_t g = 0; g < G; ++g) {
@@ -990,13 +984,7 @@ bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* k
                      const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                      float* m, float* l, float* acc, const NextTask<T>& next) {
   if (D != 16 && D != 32 && D != 64 && D != 128) return false;
-  const int64_t n = t1 - t0;
-  if (n <= 0) {
-    std::fill(acc, acc + G * D, 0.f);
-    std::fill(m, m + G, -INFINITY);
-    std::fill(l, l + G, 0.f);
-    return true;
-  }
+  const int64_t n = t1 - t0;  // > 0 (attend_range)
   scores8<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
   const __m256i tail = lanes_below(n % 8);
   for (int64_t g = 0; g < G; ++g) {
@@ -1039,6 +1027,12 @@ template <typename T>
 void attend_range(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                   const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                   float* m, float* l, float* acc, const NextTask<T>& next) {
+  if (t1 <= t0) {  // an empty part: nothing to add, and a maximum no other part's loses to
+    std::fill(acc, acc + G * D, 0.f);
+    std::fill(m, m + G, -INFINITY);
+    std::fill(l, l + G, 0.f);
+    return;
+  }
   if (!attend_part_vec<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc, next))
     attend_part<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, m, l, acc);
 }

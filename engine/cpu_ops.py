@@ -8,7 +8,9 @@ so the build happens here rather than in a wheel: on first use, or ahead of time
 shared between machines never hands one a build for another's instruction set); concurrent
 builds from several processes wait on torch's build lock. ``TANDEM_CPU_MARCH`` names another target
 for ``-march`` (``x86-64-v3``: AVX2 and FMA without AVX-512), for a kernel cache built for the oldest CPU of a
-mixed fleet, or to run the AVX2 paths on an AVX-512 machine. ``EngineConfig.cpu_kernels=False``
+mixed fleet, or to run the AVX2 paths on an AVX-512 machine; like torch's own ``TORCH_CUDA_ARCH_LIST`` it is a
+setting of the build, read here, not of the engine (set it where the processes run: the Helm chart's
+``extraEnv``). ``EngineConfig.cpu_kernels=False``
 (``--no-cpu-kernels``, ``TANDEM_CPU_KERNELS=0``) turns them off, and the engine then runs the same
 model in plain torch ops; so does a machine without a compiler, with a warning.
 """

@@ -15,7 +15,6 @@
 #include <immintrin.h>
 #endif
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 

@@ -307,19 +307,13 @@ inline void vector_sums(const float* x, int64_t K, const T* w, int64_t steps, co
       }
     }
   } else {
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
     for (int64_t s = 0; s < steps; ++s, w += NR * 2) {
-      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
-      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
-      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
-      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
-      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+      const tandem_simd::Pairs8 w0 = tandem_simd::widen_pairs8(w), w1 = tandem_simd::widen_pairs8(w + 16);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * s), xo = _mm256_broadcast_ss(x + r * K + 2 * s + 1);
-        acc[r][0] = _mm256_fmadd_ps(e0, xe, _mm256_fmadd_ps(o0, xo, acc[r][0]));
-        acc[r][1] = _mm256_fmadd_ps(e1, xe, _mm256_fmadd_ps(o1, xo, acc[r][1]));
+        acc[r][0] = _mm256_fmadd_ps(w0.even, xe, _mm256_fmadd_ps(w0.odd, xo, acc[r][0]));
+        acc[r][1] = _mm256_fmadd_ps(w1.even, xe, _mm256_fmadd_ps(w1.odd, xo, acc[r][1]));
       }
     }
   }
@@ -348,10 +342,8 @@ inline void panel_sums(const float* x, const T* w, int64_t steps, const float* i
       const __m256 xe = _mm256_broadcast_ss(x + 2 * s), xo = _mm256_broadcast_ss(x + 2 * s + 1);
 #pragma GCC unroll 12
       for (int i = 0; i < NV * 2; ++i) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 16));
-        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-        const __m256 o = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(p, 16), 16));
-        acc[i] = _mm256_fmadd_ps(e, xe, _mm256_fmadd_ps(o, xo, acc[i]));
+        const tandem_simd::Pairs8 wv = tandem_simd::widen_pairs8(w + i * 16);
+        acc[i] = _mm256_fmadd_ps(wv.even, xe, _mm256_fmadd_ps(wv.odd, xo, acc[i]));
       }
     }
   }

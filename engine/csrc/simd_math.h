@@ -201,6 +201,17 @@ struct PacedFetch {
 
 namespace tandem_simd {
 
+// 8 bfloat16 pairs (16 values) as the float32 vectors of their even and of their odd elements, both exact:
+// WidenedStep::widen on 8 lanes (the even element by a shift, the odd by a mask), for the AVX2 kernels.
+struct Pairs8 {
+  __m256 even, odd;
+};
+inline Pairs8 widen_pairs8(const bf16_t* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
 // exp of 8 floats x <= 0 (a softmax's exponents), for AVX2 CPUs: exp16's steps, 2^n built in the exponent field
 // where exp16 scales with vscalefps. For n in [-126, 0] both scale by one correctly rounded multiply, so the two
 // give the same bits.

@@ -615,13 +615,8 @@ template <typename T>
 void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
                  int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, float* m, float* l,
                  float* acc) {
-  const int64_t n = t1 - t0;
+  const int64_t n = t1 - t0;  // > 0 (attend_range)
   std::fill(acc, acc + G * D, 0.f);
-  if (n <= 0) {
-    std::fill(m, m + G, -INFINITY);
-    std::fill(l, l + G, 0.f);
-    return;
-  }
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t slot = slot_of(table, block_size, t);
     const T* krow = kc + slot * D;
@@ -651,6 +646,9 @@ void attend_part(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc
   }
 }
 
+// The head sizes the vector loops of decode attention serve (attend_part_vec); others take attend_part.
+constexpr bool vector_head(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
+
 // Whether scores16 multiplies q as it is (bfloat16 dot products) rather than q converted to float32: the one
 // place that decides, which the caller also asks before converting q.
 template <typename T>
@@ -663,7 +661,7 @@ constexpr bool scores_read_raw_q(int64_t D) {
 template <typename T>
 constexpr bool q_in_pair_order(int64_t D) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  return std::is_same_v<T, bf16_t> && (D == 16 || D == 32 || D == 64 || D == 128);
+  return std::is_same_v<T, bf16_t> && vector_head(D);
 #else
   return false;
 #endif
@@ -791,7 +789,7 @@ template <typename T>
 bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc,
                      const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                      float* m, float* l, float* acc, const NextTask<T>& next) {
-  if (D != 16 && D != 32 && D != 64 && D != 128) return false;
+  if (!vector_head(D)) return false;
   const int64_t n = t1 - t0;  // > 0 (attend_range)
   scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % LANES)) - 1);  // the last n % 16 keys
@@ -839,9 +837,9 @@ inline void load_cols16(const float* p, __m256* v) {
   v[1] = _mm256_loadu_ps(p + 8);
 }
 inline void load_cols16(const bf16_t* p, __m256* v) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  v[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  const tandem_simd::Pairs8 w = tandem_simd::widen_pairs8(p);
+  v[0] = w.even;
+  v[1] = w.odd;
 }
 // load_cols16's inverse for 16 float32 sums: bfloat16's (even, odd) vectors interleaved back into column order.
 template <typename T>
@@ -983,7 +981,7 @@ template <typename T>
 bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* kc, const T* vc,
                      const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
                      float* m, float* l, float* acc, const NextTask<T>& next) {
-  if (D != 16 && D != 32 && D != 64 && D != 128) return false;
+  if (!vector_head(D)) return false;
   const int64_t n = t1 - t0;  // > 0 (attend_range)
   scores8<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
   const __m256i tail = lanes_below(n % 8);

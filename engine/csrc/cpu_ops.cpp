@@ -826,10 +826,7 @@ bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const
 // elements (a shift and a mask, where widening 8 in order costs a shuffle each): the scores read q in that order
 // (q_in_pair_order), the value sums are kept in it and put back in order as they are stored.
 constexpr int64_t KEYS8 = 8;
-
-inline __m256i lanes_below(int64_t k) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+using tandem_simd::lanes_below;
 
 // 16 columns of a row as float32 vectors: in order for float32, as (even, odd) elements for bfloat16.
 inline void load_cols16(const float* p, __m256* v) {
@@ -1002,9 +999,7 @@ bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* k
       _mm256_maskstore_ps(sg + i, tail, e);
       sum = _mm256_add_ps(sum, e);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, sum);
-    l[g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    l[g] = tandem_simd::sum8(sum);
   }
   if (D == 16)
     values8<T, 2>(scores, G, D, vc, table, block_size, t0, t1, acc);
@@ -1177,6 +1172,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("NATIVE_BF16") = false;
 #endif
   m.attr("DOT_BF16") = HAVE_DPBF16;
+  // The widest vectors the kernels were compiled for (TANDEM_CPU_MARCH may name an older CPU than this one).
+#if defined(__AVX512F__)
+  m.attr("SIMD") = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  m.attr("SIMD") = "avx2";
+#else
+  m.attr("SIMD") = "portable";
+#endif
   m.def("linear", &linear, "x W^T (+ b), float32 accumulation, each weight row read once per 4 rows of x");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H]");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of the residual");

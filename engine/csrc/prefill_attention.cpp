@@ -11,6 +11,7 @@
 // 1.8 ms against 6.9 per layer of a 1,024-token prompt of the default model, float32 4.5, on a 2-core Xeon).
 // A flash-attention form on the tiles (blocks of 64-256 keys, online softmax, so scores and P stay in L1) was
 // built and measured no faster than these two passes over whole rows, and not kept (docs/benchmarks.md).
+// AVX2 + FMA CPUs (no AVX-512) run the same two passes on 8 lanes in float32 (see their section below).
 //
 // Layouts: q [L, Hq, D], k and v [C, Hkv, D] (rows and heads may be strided, elements contiguous);
 // out [L, Hq * D]. Query i sees keys j <= C - L + i.
@@ -39,6 +40,10 @@ constexpr int64_t KEYS = 32;  // keys per scores micro-tile (two vectors of 16)
 constexpr int RS = 12;        // rows (query heads x positions) per scores micro-tile
 constexpr int RO = 6;         // rows per P V micro-tile
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_PREFILL_KERNEL 1
+#endif
+
 #if defined(__AVX512F__)
 using tandem_simd::Step;
 
@@ -46,6 +51,13 @@ using tandem_simd::Step;
 template <typename T>
 struct PackedHead {
   std::vector<T> k, v;
+};
+
+// A thread's buffers, kept across its tasks: q's rows of a task, scores, P, and P V before normalising.
+template <typename T>
+struct Scratch {
+  std::vector<T> q, p;
+  std::vector<float> s, o;
 };
 
 // One head's keys as panels of KEYS columns, k-major by element step S: kp[block][d / S][col][s], zero past C to
@@ -168,11 +180,12 @@ void pv_rows(const T* const* p, int64_t rows, int64_t n, const T* vp, int64_t D,
 template <typename T>
 void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, int64_t i0, int64_t i1,
                   int64_t offset, const PackedHead<T>& packed, float scale, T* out, int64_t out_row,
-                  std::vector<T>& qbuf, std::vector<float>& sbuf, std::vector<T>& pbuf, std::vector<float>& obuf,
-                  bool amx) {
+                  Scratch<T>& buf, bool amx) {
   constexpr int64_t S = Step<T>::S;
   const int64_t rows = (i1 - i0) * G, seen = offset + i1;  // keys the last position sees
   const int64_t nb = (seen + KEYS - 1) / KEYS, width = nb * KEYS;
+  auto &qbuf = buf.q, &pbuf = buf.p;
+  auto &sbuf = buf.s, &obuf = buf.o;
   qbuf.resize(rows * D);  // every row copied below
   sbuf.resize(rows * width);
   pbuf.resize(rows * width);
@@ -252,12 +265,154 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, in
     }
 }
 
+#elif defined(TANDEM_PREFILL_KERNEL)
+// AVX2 + FMA without AVX-512 (Zen 1-3, Intel's cores from Haswell to Alder Lake): the same tasks and two passes
+// on 8 lanes, all in float32. q, the packed keys and values, and P are widened once, outside the products
+// (bfloat16 values are exact in float32, so the products are the dot-product kernel's, P still rounded to
+// bfloat16 first): there is no bfloat16 arithmetic to use, and widening in the loops would add integer work
+// to products that are bound by the FMA units.
+
+template <typename T>
+struct PackedHead {
+  std::vector<float> k, v;
+};
+
+// A thread's buffers, kept across its tasks: q's rows of a task in float32, scores (then P in place), P V.
+template <typename T>
+struct Scratch {
+  std::vector<float> q, s, o;
+};
+
+constexpr int RS8 = 3;  // rows per scores micro-tile: 3 x 4 vectors of 8 keys, 12 of the 16 registers
+constexpr int RO8 = 3;  // rows per P V micro-tile, 4 vectors of 8 columns at a time (2 for D = 16)
+
+// One head's keys as float32 panels of KEYS columns, k-major: kp[block][d][col], zero past C to a whole block.
+template <typename T>
+void pack_keys(const T* k, int64_t C, int64_t D, int64_t k_row, std::vector<float>& out) {
+  out.assign((C + KEYS - 1) / KEYS * KEYS * D, 0.f);
+  for (int64_t j = 0; j < C; ++j) {
+    float* col = out.data() + j / KEYS * D * KEYS + j % KEYS;
+    const T* row = k + j * k_row;
+    for (int64_t d = 0; d < D; ++d) col[d * KEYS] = tandem_simd::to_float(row[d]);
+  }
+}
+
+// One head's values as float32 rows [C][D] (the P V pass read them as well as from panels of 32 columns).
+template <typename T>
+void pack_values(const T* v, int64_t C, int64_t D, int64_t v_row, std::vector<float>& out) {
+  out.resize(C * D);
+  for (int64_t j = 0; j < C; ++j)
+    for (int64_t d = 0; d < D; ++d) out[j * D + d] = tandem_simd::to_float(v[j * v_row + d]);
+}
+
+// acc[r][c] = sum over `steps` of x[r][s] times the 8 columns of vector c at w + s * ldw (dot_tile on 8 lanes).
+template <int R, int V>
+inline void dot_tile8(const float* const* x, int64_t steps, const float* w, int64_t ldw, __m256 (&acc)[R][V]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, w += ldw) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x[r] + s);
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c * 8), xv, acc[r][c]);
+    }
+  }
+}
+
+template <int R>
+void scores_tile8(const float* const* q, int64_t D, const float* kp, int64_t nb, float* const* scores) {
+  __m256 acc[R][KEYS / 8];
+  for (int64_t b = 0; b < nb; ++b) {
+    dot_tile8<R, KEYS / 8>(q, D, kp + b * D * KEYS, KEYS, acc);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < KEYS / 8; ++c) _mm256_storeu_ps(scores[r] + b * KEYS + c * 8, acc[r][c]);
+  }
+}
+
+// o[r][0, D) = sum over keys [0, n) of p[r][key] v[key], V vectors of 8 columns at a time.
+template <int R, int V>
+void pv_tile8(const float* const* p, int64_t n, const float* vp, int64_t D, float* const* o) {
+  __m256 acc[R][V];
+  for (int64_t c0 = 0; c0 < D; c0 += 8 * V) {
+    dot_tile8<R, V>(p, n, vp + c0, D, acc);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < V; ++c) _mm256_storeu_ps(o[r] + c0 + c * 8, acc[r][c]);
+  }
+}
+
+template <int V>
+void pv_rows8(const float* const* p, int64_t rows, int64_t n, const float* vp, int64_t D, float* const* o) {
+  int64_t r = 0;
+  for (; r + RO8 <= rows; r += RO8) pv_tile8<RO8, V>(p + r, n, vp, D, o + r);
+  for (; r < rows; ++r) pv_tile8<1, V>(p + r, n, vp, D, o + r);
+}
+
+// One task: K/V head h, query positions [i0, i1), all G heads of the group (attend_block on 8 lanes).
+template <typename T>
+void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, int64_t i0, int64_t i1,
+                  int64_t offset, const PackedHead<T>& packed, float scale, T* out, int64_t out_row,
+                  Scratch<T>& buf, bool) {
+  const int64_t rows = (i1 - i0) * G, seen = offset + i1;  // keys the last position sees
+  const int64_t nb = (seen + KEYS - 1) / KEYS, width = nb * KEYS;
+  buf.q.resize(rows * D);
+  buf.s.resize(rows * width);
+  buf.o.resize(rows * D);
+  std::vector<const float*> qp(rows);
+  std::vector<float*> sp(rows), op(rows);
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (i - i0) * G + g;
+      const T* src = q + i * q_row + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) buf.q[r * D + d] = tandem_simd::to_float(src[d]);
+      qp[r] = buf.q.data() + r * D;
+      sp[r] = buf.s.data() + r * width;
+      op[r] = buf.o.data() + r * D;
+    }
+  int64_t r = 0;
+  for (; r + RS8 <= rows; r += RS8) scores_tile8<RS8>(qp.data() + r, D, packed.k.data(), nb, sp.data() + r);
+  for (; r < rows; ++r) scores_tile8<1>(qp.data() + r, D, packed.k.data(), nb, sp.data() + r);
+  // P in place of the scores: 2^(s a - max a) as on AVX-512, rounded to T, zero from the row's keys to `seen`.
+  std::vector<float> total(rows);
+  constexpr int terms = std::is_same_v<T, float> ? 6 : 4;
+  const float a = scale * tandem_simd::LOG2E;
+  const __m256 av = _mm256_set1_ps(a);
+  for (r = 0; r < rows; ++r) {
+    const int64_t n = offset + i0 + r / G + 1;
+    float* s = sp[r];
+    const __m256 top = _mm256_set1_ps(tandem_simd::row_max8(s, n) * a);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = tandem_simd::exp2_8<terms>(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), av, top));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(s + j, tandem_simd::round8(e, T{}));
+    }
+    if (j < n) {  // the row's last keys; the lanes past them (within the row's width) are set to zero
+      const __m256 keep = _mm256_castsi256_ps(tandem_simd::lanes_below(n - j));
+      const __m256 e = _mm256_and_ps(keep, tandem_simd::exp2_8<terms>(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), av, top)));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(s + j, tandem_simd::round8(e, T{}));
+      j += 8;
+    }
+    if (j < seen) std::fill(s + j, s + seen, 0.f);
+    total[r] = tandem_simd::sum8(sum);
+  }
+  if (D % 32 == 0) pv_rows8<4>(sp.data(), rows, seen, packed.v.data(), D, op.data());
+  else pv_rows8<2>(sp.data(), rows, seen, packed.v.data(), D, op.data());  // D = 16
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = (i - i0) * G + g;
+      const float inv = 1.f / total[row];
+      T* dst = out + i * out_row + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = tandem_simd::from_float<T>(op[row][d] * inv);
+    }
+}
+
 #endif
 
 }  // namespace
 
 bool prefill_attention_supported(const torch::Tensor& q) {
-#if defined(__AVX512F__)
+#if defined(TANDEM_PREFILL_KERNEL)
   const int64_t D = q.size(-1);
   const bool shape = D == 16 || D == 32 || D == 64 || D == 96 || D == 128;  // the cases of pv_rows
   if (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) return shape;
@@ -280,7 +435,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   const int64_t L = q.size(0), Hq = q.size(1), D = q.size(2), C = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
   auto out = torch::empty({L, Hq * D}, q.options());
   if (L == 0) return out;
-#if defined(__AVX512F__)
+#if defined(TANDEM_PREFILL_KERNEL)
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const bool amx = std::is_same_v<T, bf16_t> && tandem_amx::usable(D);  // both products on the tiles
@@ -300,13 +455,12 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
     // at::parallel_for hands each thread one contiguous run, which this order balances.
     const int64_t blocks = (L + QB - 1) / QB, tasks = Hkv * blocks;
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<T> qbuf, pbuf;
-      std::vector<float> sbuf, obuf;
+      Scratch<T> buf;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t h = t % Hkv, j = t / Hkv, b = j % 2 ? blocks - 1 - j / 2 : j / 2;
         const int64_t i0 = b * QB, i1 = std::min(L, i0 + QB);
         attend_block<T>(qp, q.stride(0), D, G, h, i0, i1, C - L, heads[h], static_cast<float>(scale), o, Hq * D,
-                        qbuf, sbuf, pbuf, obuf, amx);
+                        buf, amx);
       }
 #if defined(TANDEM_AMX)
       if (amx) _tile_release();

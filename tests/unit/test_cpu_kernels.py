@@ -477,7 +477,7 @@ def test_prefill_attention(ops, dtype, tol, length, context, heads, kv_heads, di
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(context, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim : width].view(context, kv_heads, dim)
     if not ops.prefill_attention_supported(q):
-        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX-512)")
+        pytest.skip(f"no prefill kernel on this CPU for {dtype} (it needs AVX2 and FMA)")
     mask = torch.ones(length, context, dtype=torch.bool).tril(context - length)
     as_heads = lambda t: t.double().transpose(0, 1)[None]  # noqa: E731
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -507,12 +507,23 @@ def test_prefill_attention_on_amx_tiles_matches_the_dot_product_kernel(ops, leng
     torch.testing.assert_close(on.float(), off.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_the_build_names_its_vector_width_and_serves_prefill_with_it(ops):
+    """``SIMD``: the widest vectors the kernels were compiled for (this CPU's, or x86-64-v3's where
+    ``TANDEM_CPU_MARCH`` names it). Prefill attention has a kernel wherever there are vector kernels, so its
+    tests above skip only on the portable build."""
+    flags = set(cpu_ops.cpu_flags().split())
+    native = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    want = {"native": native, "x86-64-v3": "avx2"}[cpu_ops.MARCH]
+    assert ops.SIMD == want
+    assert ops.prefill_attention_supported(torch.empty(1, 1, 64)) == (want != "portable")
+
+
 def test_prefill_attention_refuses_what_it_does_not_serve(ops):
     """Head sizes that are not 16, 32, 64, 96 or 128 and dtypes other than float32/bfloat16 go to SDPA
     (``prefill_attention_supported``); called anyway, the kernel raises."""
     q48, q64 = torch.zeros(3, 2, 48), torch.zeros(3, 2, 64)
     if not ops.prefill_attention_supported(q64):
-        pytest.skip("no prefill kernel on this CPU (it needs AVX-512)")
+        pytest.skip("no prefill kernel on this CPU (it needs AVX2 and FMA)")
     assert not ops.prefill_attention_supported(q48)
     assert not ops.prefill_attention_supported(q64.double())
     with pytest.raises(RuntimeError, match="no kernel here"):

@@ -181,21 +181,6 @@ inline float row_max(const float* s, int64_t n) {
   return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
 }
 
-// A fetch of what a kernel reads next, spread evenly over its loop: `rate` / 256 cache lines per step(), the
-// fraction carried over (null `next`: nothing). A whole number of lines per step, rounded up, sent the lines in
-// bursts and finished early (packed_linear's dot-product kernel: 8.1 -> 7.0 ms per pass at 16 rows on Zen 5).
-template <auto Hint>
-struct PacedFetch {
-  const char* next;
-  int rate;
-  int owed = 0;  // 1/256ths of a line
-
-  inline void step() {
-    if (!next) return;
-    for (owed += rate; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
-  }
-};
-
 }  // namespace tandem_simd
 #endif
 
@@ -284,6 +269,29 @@ inline __m256i lanes_below(int64_t k) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(k, 8))),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+}  // namespace tandem_simd
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+
+namespace tandem_simd {
+
+// A fetch of what a kernel reads next, spread evenly over its loop: `rate` / 256 cache lines per step(), the
+// fraction carried over (null `next`: nothing). A whole number of lines per step, rounded up, sent the lines in
+// bursts and finished early (packed_linear's dot-product kernel: 8.1 -> 7.0 ms per pass at 16 rows on Zen 5).
+template <auto Hint>
+struct PacedFetch {
+  const char* next;
+  int rate;
+  int owed = 0;  // 1/256ths of a line
+
+  inline void step() {
+    if (!next) return;
+    for (owed += rate; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
+  }
+};
 
 }  // namespace tandem_simd
 #endif

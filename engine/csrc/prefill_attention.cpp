@@ -297,7 +297,7 @@ void pack_keys(const T* k, int64_t C, int64_t D, int64_t k_row, std::vector<floa
   }
 }
 
-// One head's values as float32 rows [C][D] (the P V pass read them as well as from panels of 32 columns).
+// One head's values as float32 rows [C][D] (panels of 32 columns, read front to back by P V, were no faster).
 template <typename T>
 void pack_values(const T* v, int64_t C, int64_t D, int64_t v_row, std::vector<float>& out) {
   out.resize(C * D);
@@ -388,7 +388,8 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, in
     }
     if (j < n) {  // the row's last keys; the lanes past them (within the row's width) are set to zero
       const __m256 keep = _mm256_castsi256_ps(tandem_simd::lanes_below(n - j));
-      const __m256 e = _mm256_and_ps(keep, tandem_simd::exp2_8<terms>(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), av, top)));
+      const __m256 y = _mm256_fmsub_ps(_mm256_loadu_ps(s + j), av, top);
+      const __m256 e = _mm256_and_ps(keep, tandem_simd::exp2_8<terms>(y));
       sum = _mm256_add_ps(sum, e);
       _mm256_storeu_ps(s + j, tandem_simd::round8(e, T{}));
       j += 8;

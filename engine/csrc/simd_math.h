@@ -1,6 +1,7 @@
 // Math shared by the kernel files (cpu_ops.cpp, packed_linear.cpp, prefill_attention.cpp): bfloat16 <-> float32
 // conversions as torch rounds them, and (AVX-512 builds) exp and that rounding 16 lanes at a time, so fused
-// kernels give the same bits as the eager ops they replace; exp8 and row_max8 for AVX2 builds.
+// kernels give the same bits as the eager ops they replace; their 8-lane forms for AVX2 builds (exp8, exp2_8,
+// round8, row_max8, sum8); PacedFetch for both.
 #pragma once
 
 #include <algorithm>
@@ -233,7 +234,8 @@ inline float row_max8(const float* s, int64_t n) {
 }
 
 // 2^y of 8 floats y <= 0 (a softmax's exponents scaled by log2 e): exp2_16 on 8 lanes, 2^n built in the exponent
-// field. Below -126.5 it is 0 (exp2_16 keeps the denormals down to -150: 2^-126 of a row whose largest term is 1).
+// field. Below -126.5 it is 0 where exp2_16 goes on through the denormals to -150: what is dropped is below 2^-126
+// of the row's largest term (which is 1).
 template <int Terms>
 inline __m256 exp2_8(__m256 y) {
   static_assert(Terms == 4 || Terms == 6, "exp2_8: 4 or 6 terms");
@@ -254,7 +256,8 @@ inline __m256 round8(__m256 v, bf16_t) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
   const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
 }
 
 // The sum of 8 lanes: ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)).

@@ -1186,7 +1186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("rope_", &rope_, "rotate-half RoPE in place on the leading heads of each row");
   m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
-  m.attr("QUANT_VNNI") = qlinear_vnni();
+  m.attr("QUANT_INT_DOT") = qlinear_int_dot();
   m.attr("QUANT_AMX") = qlinear_amx();
   m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W: int8 x per 32-block, or bfloat16 tiles (AMX)");
   m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");

@@ -23,7 +23,7 @@ torch::Tensor huge_page_buffer(int64_t nbytes);
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
                       const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
                       const c10::optional<torch::Tensor>& bias);
-bool qlinear_vnni();
+bool qlinear_int_dot();
 bool qlinear_amx();
 
 // argmax.cpp

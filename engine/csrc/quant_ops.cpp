@@ -23,7 +23,7 @@
 
 #include "amx_tiles.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -103,7 +103,7 @@ void quantize_x(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s)
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool HAVE_VNNI = true;
+constexpr bool HAVE_INT_DOT = true;
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -167,8 +167,81 @@ void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r * MT + m) * GROUP, acc[r][m]);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool HAVE_INT_DOT = true;
+
+// Without VNNI (AVX2 CPUs: Zen 1-3, Intel's cores from Haswell on): the same integer sums with 16-bit products.
+// Each 16 bytes of a step (4 rows x 4 k) are widened to int16 and multiplied by x's 4 values of that step with
+// vpmaddwd, which adds them in pairs: the int32 lanes hold (row, k pair) sums, one vector per 4 rows, and two
+// vectors' adjacent lanes are added at the end of a block (hadd, then the 64-bit halves put in row order).
+// Exact for 8-bit weights too, where vpmaddubsw's int16 pair sums (255 x 127 x 2) would saturate. The block's
+// float32 scaling is the VNNI kernel's, 8 lanes at a time: the same bits.
+inline __m256i rows8(__m256i a, __m256i b) {  // rows 0-3 and 4-7 as (row, k pair) lanes -> 8 row sums
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xd8);
+}
+
+// One group of 16 rows against one row of x: out[0, 16).
+template <int BITS>
+void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i nibble = _mm256_set1_epi16(0x0f);
+  alignas(32) int16_t xw[BLOCK];
+  for (int64_t j = 0; j < W.nb; ++j) {
+    const int8_t* xb = X.q + m * X.K + j * BLOCK;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(xw), _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb))));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(xw + 16),
+                       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16))));
+    const auto x4 = [&](int s) {  // x's 4 values of step s in every 64-bit lane
+      int64_t v;
+      std::memcpy(&v, xw + 4 * s, sizeof v);
+      return _mm256_set1_epi64x(v);
+    };
+    const auto widen = [](const uint8_t* p) {
+      return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    };
+    const uint8_t* wb = W.data + (g * W.nb + j) * W.block_bytes();
+    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    if constexpr (BITS == 4) {
+      for (int t = 0; t < 4; ++t) {
+        const __m256i xl = x4(2 * t), xh = x4(2 * t + 1);
+        for (int q = 0; q < 4; ++q) {
+          const __m256i v = widen(wb + 64 * t + 16 * q);
+          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(_mm256_and_si256(v, nibble), xl));
+          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xh));
+        }
+      }
+    } else {
+      for (int s = 0; s < 8; ++s) {
+        const __m256i xv = x4(s);
+        for (int q = 0; q < 4; ++q) a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(widen(wb + 64 * s + 16 * q), xv));
+      }
+    }
+    const __m256i isum[2] = {rows8(a[0], a[1]), rows8(a[2], a[3])};
+    const int64_t at = (g * W.nb + j) * GROUP;
+    const float dj = X.d[m * X.nb + j], sj = X.s[m * X.nb + j];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 ws = W.row_scale
+          ? _mm256_loadu_ps(W.row_scale + g * GROUP + 8 * h)
+          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.scale + at + 8 * h)));
+      const __m256 wo = W.offset
+          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.offset + at + 8 * h)))
+          : _mm256_mul_ps(ws, _mm256_set1_ps(-W.zero));
+      const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(dj));
+      acc[h] = _mm256_fmadd_ps(wo, _mm256_set1_ps(sj), _mm256_fmadd_ps(dot, ws, acc[h]));
+    }
+  }
+  _mm256_storeu_ps(out, acc[0]);
+  _mm256_storeu_ps(out + 8, acc[1]);
+}
+
+// out[r][m][lane] as the VNNI kernel's: each group and row of x on its own (the weights come again from L1).
+template <int BITS, int R, int MT>
+void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) qgroup_row<BITS>(W, g + r, X, m0 + m, out + (r * MT + m) * GROUP);
+}
 #else
-constexpr bool HAVE_VNNI = false;
+constexpr bool HAVE_INT_DOT = false;
 
 // Portable version of the same sums (compilers vectorise the 16-lane loops).
 template <int BITS, int R, int MT>
@@ -413,6 +486,6 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
   return y;
 }
 
-bool qlinear_vnni() { return HAVE_VNNI; }
+bool qlinear_int_dot() { return HAVE_INT_DOT; }
 
 bool qlinear_amx() { return HAVE_AMX && tandem_amx::permitted(); }

@@ -2,8 +2,8 @@
 
 A build for this CPU compiles its AVX-512 loops and never the AVX2 ones, which would then be checked only when CI
 happens to land on an older machine. Here the kernels are built for ``x86-64-v3`` (``TANDEM_CPU_MARCH``, a cache
-folder of their own) and test_cpu_kernels.py runs against that build in a child process: every kernel against the
-eager reference, the engine end to end included.
+folder of their own) and test_cpu_kernels.py and test_quantization.py run against that build in a child process:
+every kernel against the eager reference, the engine end to end included.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def test_the_x86_64_v3_build_has_no_avx512():
 
 
 def test_the_avx2_kernels_pass_the_kernel_tests():
-    done = _child("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_cpu_kernels.py")
+    done = _child("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_cpu_kernels.py",
+                  "tests/unit/test_quantization.py")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout.splitlines()[-1]

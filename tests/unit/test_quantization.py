@@ -81,6 +81,18 @@ def test_qlinear_matches_reference(ops, kind, rows, k, n, bias, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fill", [255, 0])
+def test_qlinear_is_exact_at_the_ends_of_the_8_bit_range(ops, fill):
+    """Weight bytes of 255 (or 0) against activations at +-127 in every position: products whose pair sums
+    overflow 16 bits (255 x 127 x 2), which a vpmaddubsw kernel would saturate (AVX2 CPUs multiply in int16)."""
+    w = make_weight("Q8_0", 32, 64, seed=1)
+    w.data.fill_(fill)
+    x = torch.full((2, 64), 3.0)
+    x[1] = -3.0
+    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
+    torch.testing.assert_close(got, qlinear_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8"])
 @pytest.mark.parametrize("rows", [24, 33, 64])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (32, 7, True), (1536, 64, True), (64, 48, False)])

@@ -6,7 +6,8 @@
 //
 // Decode reads every weight once per step, so fewer bytes per weight is speed; the dot products
 // run on integers: x is quantized per 32-block to int8 (scale d, as llama.cpp's Q8 activations),
-// and AVX-512 VNNI multiplies 64 weight bytes by 64 activation bytes per instruction.
+// and AVX-512 VNNI multiplies 64 weight bytes by 64 activation bytes per instruction (AVX2 CPUs: the same sums
+// from 16-bit products, qgroup_row).
 //
 // Layout (what engine/quant/packing.py writes): rows in groups of 16, one per 32-bit lane. For each
 // group and block, step s (0..7) is 64 bytes: bytes 4s..4s+3 of the block of each of the 16 rows, so
@@ -188,9 +189,9 @@ void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out)
   alignas(32) int16_t xw[BLOCK];
   for (int64_t j = 0; j < W.nb; ++j) {
     const int8_t* xb = X.q + m * X.K + j * BLOCK;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(xw), _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb))));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(xw + 16),
-                       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16))));
+    for (int half = 0; half < 2; ++half)  // x's block as int16
+      _mm256_store_si256(reinterpret_cast<__m256i*>(xw + 16 * half),
+                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16 * half))));
     const auto x4 = [&](int s) {  // x's 4 values of step s in every 64-bit lane
       int64_t v;
       std::memcpy(&v, xw + 4 * s, sizeof v);
@@ -213,7 +214,8 @@ void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out)
     } else {
       for (int s = 0; s < 8; ++s) {
         const __m256i xv = x4(s);
-        for (int q = 0; q < 4; ++q) a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(widen(wb + 64 * s + 16 * q), xv));
+        for (int q = 0; q < 4; ++q)
+          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(widen(wb + 64 * s + 16 * q), xv));
       }
     }
     const __m256i isum[2] = {rows8(a[0], a[1]), rows8(a[2], a[3])};

@@ -159,7 +159,7 @@ SMALL_M_DOT_BF16 = 128
 # where qlinear runs bfloat16 x from 24 rows on the tiles, over the default model's matrices: 1,024 rows 137 ms
 # (Q4_1) against oneDNN's 379, 64 rows 16.7 against 271.
 QUANT_GEMM_M = {torch.bfloat16: 1 << 30, torch.float32: 1 << 30}
-# AVX2 CPUs (no VNNI: the integer kernel multiplies in int16, a third of VNNI's rate) cross over at about 256 rows:
+# AVX2 CPUs (no VNNI: the integer kernel multiplies in int16) cross over at about 256 rows:
 # over the default model's four matrices in Q4_0 / Q8_0, bfloat16 x, x86-64-v3 build on a 2-core Zen 4, integer
 # kernel against dequantizing and float32 GEMM: 16 rows 1.2 / 1.1 ms against 11.3 / 10.9, 64 rows 3.8 / 3.8 against
 # 13.3 / 10.4, 128 rows 7.3 / 7.1 against 13.9 / 11.2, 256 rows 14.1 / 14.7 against 13.9 / 13.8.

@@ -72,6 +72,7 @@ struct QX {
   const float* s;   // [M, nb] d * sum(q) of each block
   int64_t K;
   int64_t nb;
+  const int16_t* q16 = nullptr;  // q widened to int16, once per call (the AVX2 kernel's operand)
 };
 
 // Quantizes each 32-block of x to int8: d = max|x| / 127, q = x * (1 / d) rounded to nearest even.
@@ -169,6 +170,7 @@ void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
     for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r * MT + m) * GROUP, acc[r][m]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TANDEM_QUANT_AVX2 1
 constexpr bool HAVE_INT_DOT = true;
 
 // Without VNNI (AVX2 CPUs: Zen 1-3, Intel's cores from Haswell on): the same integer sums with 16-bit products.
@@ -186,12 +188,8 @@ template <int BITS>
 void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const __m256i nibble = _mm256_set1_epi16(0x0f);
-  alignas(32) int16_t xw[BLOCK];
   for (int64_t j = 0; j < W.nb; ++j) {
-    const int8_t* xb = X.q + m * X.K + j * BLOCK;
-    for (int half = 0; half < 2; ++half)  // x's block as int16
-      _mm256_store_si256(reinterpret_cast<__m256i*>(xw + 16 * half),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16 * half))));
+    const int16_t* xw = X.q16 + m * X.K + j * BLOCK;
     const auto x4 = [&](int s) {  // x's 4 values of step s in every 64-bit lane
       int64_t v;
       std::memcpy(&v, xw + 4 * s, sizeof v);
@@ -475,7 +473,12 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
   xs.resize(M * nb);
   if (f32) quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
   else quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, xq.data(), xd.data(), xs.data());
-  const QX X{xq.data(), xd.data(), xs.data(), K, nb};
+  QX X{xq.data(), xd.data(), xs.data(), K, nb};
+#if defined(TANDEM_QUANT_AVX2)
+  thread_local std::vector<int16_t> xq16;
+  xq16.assign(xq.begin(), xq.end());  // widened once here, not once per group of 16 weight rows
+  X.q16 = xq16.data();
+#endif
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     if (f32) {
       if (bits == 4) qlinear_range<4>(W, X, M, bp, N, groups, p0, p1, static_cast<float*>(yp));

@@ -64,6 +64,25 @@ struct Tail {
   int64_t bytes = 0;
 };
 
+// How the tiles of one panel share out the fetch of what comes after it: the next panel of the call, or on the
+// last panel `tail`, `rate` / 256 lines per tick over `ticks` ticks in all (tandem_simd::PacedFetch). slice(i):
+// where the fetch of a tile that starts after i ticks begins (null: nothing left, or nothing to fetch).
+struct PanelFetch {
+  const char* next = nullptr;
+  int64_t lines = 0;
+  int rate = 0;
+
+  PanelFetch() = default;
+  PanelFetch(const char* next_panel, int64_t panel_bytes, bool last, Tail tail, int64_t ticks)
+      : next(last ? tail.data : next_panel), lines(((last ? tail.bytes : panel_bytes) + 63) / 64),
+        rate(static_cast<int>((lines * 256 + ticks - 1) / ticks)) {}
+
+  const char* slice(int64_t ticks_before) const {
+    const char* at = next ? next + ticks_before * rate / 256 * 64 : nullptr;
+    return at && at < next + lines * 64 ? at : nullptr;
+  }
+};
+
 #if defined(__AVX512F__)
 constexpr bool PACKED = true;
 
@@ -180,16 +199,14 @@ void panels(const X* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
   const bool fetch = m1 - m0 > 2;
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
-    const char* next = p + 1 < p1 && fetch ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-    int64_t next_bytes = panel_size * int64_t(sizeof(T));
-    if (p + 1 == p1 && tail.data && fetch) next = tail.data, next_bytes = tail.bytes;
-    const int64_t lines = (next_bytes + 63) / 64;
-    const int rate = static_cast<int>((lines * 256 + tiles * steps - 1) / (tiles * steps));
+    const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),
+                                                panel_size * int64_t(sizeof(T)), p + 1 == p1, tail, tiles * steps)
+                                   : PanelFetch();
+    const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     const float* b = bias ? bias + n0 : nullptr;
     for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
-      const char* pf = next ? next + t * steps * rate / 256 * 64 : nullptr;
-      if (pf && pf >= next + lines * 64) pf = nullptr;
+      const char* pf = ahead.slice(t * steps);
       const X* xm = x + m * K;
       Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {
@@ -250,16 +267,14 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
   int configured = 0;
   for (int64_t p = p0; p < p1; ++p) {
     const bf16_t* panel = packed + p * panel_size;
-    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_size) : tail.data;
-    const int64_t next_bytes = p + 1 < p1 ? panel_size * 2 : tail.bytes;
-    const int64_t lines = (next_bytes + 63) / 64, ticks = blocks * chunks * (NV / 2);
-    const int rate = static_cast<int>((lines * 256 + ticks - 1) / ticks);
+    const PanelFetch ahead(reinterpret_cast<const char*>(panel + panel_size), panel_size * 2, p + 1 == p1, tail,
+                           blocks * chunks * (NV / 2));
+    const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     for (int64_t m = m0, b = 0; m < m1; m += 32, ++b) {
       const int rows = static_cast<int>(std::min<int64_t>(32, m1 - m));
       if (rows != configured) tandem_amx::configure_2x2(configured = rows);
-      const char* pf = next ? next + b * chunks * (NV / 2) * rate / 256 * 64 : nullptr;  // this block's share
-      if (pf && pf >= next + lines * 64) pf = nullptr;
+      const char* pf = ahead.slice(b * chunks * (NV / 2));  // this block's share
       tandem_amx::matmul_2x2(x + m * K, K * 2, rows, panel, NR * 4, KC / 2 * NR * 2, chunks, NV / 2, acc, NR * 4, pf,
                              rate);
       amx_store<Y, O>(acc, rows, bias ? bias + n0 : nullptr, cols, y + m * N + n0, N);
@@ -395,17 +410,16 @@ void panels8(const float* x, int64_t K, int64_t m0, int64_t m1, const T* packed,
   const bool fetch = m1 - m0 > 2;
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
-    const char* next = p + 1 < p1 && fetch ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-    int64_t next_bytes = panel_size * int64_t(sizeof(T));
-    if (p + 1 == p1 && tail.data && fetch) next = tail.data, next_bytes = tail.bytes;
-    const int64_t lines = (next_bytes + 63) / 64, passes = tiles * NV * steps;  // vector passes of whole tiles
-    const int rate = static_cast<int>((lines * 256 + passes - 1) / passes);
+    // Spread over the vector passes of the whole tiles.
+    const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),
+                                                panel_size * int64_t(sizeof(T)), p + 1 == p1, tail, tiles * NV * steps)
+                                   : PanelFetch();
+    const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     float init[NR];  // each sum's first term: the bias, zero past the panel's columns
     for (int c = 0; c < NR; ++c) init[c] = bias && c < cols ? bias[n0 + c] : 0.f;
     for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
-      const char* pf = next ? next + t * NV * steps * rate / 256 * 64 : nullptr;
-      if (pf && pf >= next + lines * 64) pf = nullptr;
+      const char* pf = ahead.slice(t * NV * steps);
       const float* xm = x + m * K;
       Y* ym = y + m * N + n0;
       switch (std::min<int64_t>(MR, m1 - m)) {

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -75,32 +77,61 @@ struct QX {
   const int16_t* q16 = nullptr;  // q widened to int16, once per call (the AVX2 kernel's operand)
 };
 
+#if defined(__AVX512F__)
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const uint16_t* p) {  // 16 bfloat16 values as float32 (exact)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// quantize_x's loop for one block on two vectors: the same max, the same product per value and the same rounding
+// (nearest even), so the same bits. With store_rows' vectors, Q4_1 over the default model's 120 layer matrices,
+// bfloat16 x, 2-core Zen 5, the two builds alternated in one process: 16 rows 8.38 -> 6.29 ms, 64 rows 23.6 -> 15.4,
+// 1 row 3.34 -> 3.14; the quantized prefill of 1,024 tokens 402 -> 291 ms (step profile).
+template <typename T>
+inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
+  const __m512 v[2] = {load16f(src), load16f(src + 16)};
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  const float di = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(di != 0.f ? 1.f / di : 0.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i iv = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(iv));
+    sum = _mm512_add_epi32(sum, iv);
+  }
+  *d = di;
+  *s = di * static_cast<float>(_mm512_reduce_add_epi32(sum));
+}
+#else
+template <typename T>
+inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
+  float vals[BLOCK];
+  float amax = 0.f;
+  for (int64_t k = 0; k < BLOCK; ++k) {
+    if constexpr (std::is_same_v<T, float>) vals[k] = src[k];
+    else vals[k] = bf16_to_float(src[k]);
+    amax = std::max(amax, std::fabs(vals[k]));
+  }
+  const float di = amax / 127.f;
+  const float inv = di != 0.f ? 1.f / di : 0.f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < BLOCK; ++k) {
+    const int v = static_cast<int>(std::nearbyint(vals[k] * inv));
+    sum += v;
+    q[k] = static_cast<int8_t>(v);
+  }
+  *d = di;
+  *s = di * static_cast<float>(sum);
+}
+#endif
+
 // Quantizes each 32-block of x to int8: d = max|x| / 127, q = x * (1 / d) rounded to nearest even.
 // The same arithmetic, in the same order, as engine.quant.reference.
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
-  const int64_t nb = K / BLOCK;
-  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
-    float vals[BLOCK];
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* src = x + i * BLOCK;
-      float amax = 0.f;
-      for (int64_t k = 0; k < BLOCK; ++k) {
-        if constexpr (std::is_same_v<T, float>) vals[k] = src[k];
-        else vals[k] = bf16_to_float(src[k]);
-        amax = std::max(amax, std::fabs(vals[k]));
-      }
-      const float di = amax / 127.f;
-      const float inv = di != 0.f ? 1.f / di : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < BLOCK; ++k) {
-        const int v = static_cast<int>(std::nearbyint(vals[k] * inv));
-        sum += v;
-        q[i * BLOCK + k] = static_cast<int8_t>(v);
-      }
-      d[i] = di;
-      s[i] = di * static_cast<float>(sum);
-    }
+  at::parallel_for(0, M * (K / BLOCK), 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_block(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
   });
 }
 
@@ -276,6 +307,25 @@ constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 intege
 // y's rows m0 .. m0 + mt - 1, columns of groups g .. g + R - 1 (those below N), from r [R, mt, 16] plus the bias.
 template <int R, typename T>
 void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias, int64_t N, T* y) {
+#if defined(__AVX512F__)
+  // A group's 16 outputs of a row as one vector, rounded to bfloat16 as float_to_bf16 does (round16), where the
+  // scalar loop tested and converted each output (see quantize_block for what the two changes saved).
+  for (int gr = 0; gr < R; ++gr) {
+    const int64_t n0 = (g + gr) * GROUP;
+    const __mmask16 cols = tandem_simd::columns(N - n0);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < mt; ++m) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(r + (gr * mt + m) * GROUP), b);
+      T* dst = y + (m0 + m) * N + n0;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst, cols, v);
+      } else {
+        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(tandem_simd::round16(v, tandem_simd::bf16_t{})), 16);
+        _mm256_mask_storeu_epi16(dst, cols, _mm512_cvtepi32_epi16(bits));
+      }
+    }
+  }
+#else
   for (int gr = 0; gr < R; ++gr)
     for (int m = 0; m < mt; ++m)
       for (int64_t l = 0; l < GROUP; ++l) {
@@ -285,6 +335,7 @@ void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias
         if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n] = v;
         else y[(m0 + m) * N + n] = float_to_bf16(v);
       }
+#endif
 }
 
 template <int BITS, int R, typename T>

@@ -103,6 +103,47 @@ inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
   *d = di;
   *s = di * static_cast<float>(_mm512_reduce_add_epi32(sum));
 }
+#elif defined(__AVX2__)
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const uint16_t* p) {  // 8 bfloat16 values as float32 (exact)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// quantize_block on 8 lanes: _mm256_cvtps_epi32 rounds in the current mode, as std::nearbyint does. With
+// store_rows' vectors, the x86-64-v3 build on the same Zen 5 (its integer kernel dominates here): Q4_1, 16 rows
+// 21.8 -> 20.4 ms, 64 rows 79.0 -> 72.7.
+template <typename T>
+inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
+  __m256 v[4];
+  __m256 top = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int h = 0; h < 4; ++h) {
+    v[h] = load8f(src + 8 * h);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[h], magnitude));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  const float amax = *std::max_element(lanes, lanes + 8);
+  const float di = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(di != 0.f ? 1.f / di : 0.f);
+  __m256i iv[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int h = 0; h < 4; ++h) {
+    iv[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], inv));
+    sum = _mm256_add_epi32(sum, iv[h]);
+  }
+  // Two packs leave 4-byte groups in the order v0[0-3] v1[0-3] v2[0-3] v3[0-3] v0[4-7] ...: put back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  int32_t parts[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), sum);
+  int32_t total = 0;
+  for (int32_t p : parts) total += p;
+  *d = di;
+  *s = di * static_cast<float>(total);
+}
 #else
 template <typename T>
 inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
@@ -304,14 +345,24 @@ void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
 
 constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 integer and 8 float accumulators)
 
+// One group's outputs of one row plus the bias, column by column (the portable form; a part-filled last group on AVX2).
+template <typename T>
+inline void store_group(const float* r, const float* bias, int64_t n0, int64_t N, T* dst) {
+  for (int64_t l = 0; l < GROUP && n0 + l < N; ++l) {
+    const float v = r[l] + (bias ? bias[n0 + l] : 0.f);
+    if constexpr (std::is_same_v<T, float>) dst[l] = v;
+    else dst[l] = float_to_bf16(v);
+  }
+}
+
 // y's rows m0 .. m0 + mt - 1, columns of groups g .. g + R - 1 (those below N), from r [R, mt, 16] plus the bias.
+// With vectors, each group's 16 outputs of a row at once, rounded to bfloat16 as float_to_bf16 does (round16 /
+// round8), where the portable loop tests and converts each output (see quantize_block for what that saved).
 template <int R, typename T>
 void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias, int64_t N, T* y) {
-#if defined(__AVX512F__)
-  // A group's 16 outputs of a row as one vector, rounded to bfloat16 as float_to_bf16 does (round16), where the
-  // scalar loop tested and converted each output (see quantize_block for what the two changes saved).
   for (int gr = 0; gr < R; ++gr) {
     const int64_t n0 = (g + gr) * GROUP;
+#if defined(__AVX512F__)
     const __mmask16 cols = tandem_simd::columns(N - n0);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < mt; ++m) {
@@ -324,18 +375,28 @@ void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias
         _mm256_mask_storeu_epi16(dst, cols, _mm512_cvtepi32_epi16(bits));
       }
     }
-  }
-#else
-  for (int gr = 0; gr < R; ++gr)
+#elif defined(TANDEM_QUANT_AVX2)
+    if (n0 + GROUP > N) {
+      for (int m = 0; m < mt; ++m) store_group(r + (gr * mt + m) * GROUP, bias, n0, N, y + (m0 + m) * N + n0);
+      continue;
+    }
     for (int m = 0; m < mt; ++m)
-      for (int64_t l = 0; l < GROUP; ++l) {
-        const int64_t n = (g + gr) * GROUP + l;
-        if (n >= N) break;
-        const float v = r[(gr * mt + m) * GROUP + l] + (bias ? bias[n] : 0.f);
-        if constexpr (std::is_same_v<T, float>) y[(m0 + m) * N + n] = v;
-        else y[(m0 + m) * N + n] = float_to_bf16(v);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps();
+        const __m256 v = _mm256_add_ps(_mm256_loadu_ps(r + (gr * mt + m) * GROUP + 8 * h), b);
+        T* dst = y + (m0 + m) * N + n0 + 8 * h;
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(dst, v);
+        } else {
+          const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(tandem_simd::round8(v, tandem_simd::bf16_t{})), 16);
+          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xd8);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+        }
       }
+#else
+    for (int m = 0; m < mt; ++m) store_group(r + (gr * mt + m) * GROUP, bias, n0, N, y + (m0 + m) * N + n0);
 #endif
+  }
 }
 
 template <int BITS, int R, typename T>

@@ -93,6 +93,20 @@ def test_qlinear_is_exact_at_the_ends_of_the_8_bit_range(ops, fill):
     torch.testing.assert_close(got, qlinear_reference(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qlinear_rounds_x_to_nearest_even_at_ties(ops, dtype):
+    """Blocks of x whose largest value is 127, so that each value is its own int8 times 1: halves round to even
+    (0.5 -> 0, 2.5 -> 2, -1.5 -> -2), as the reference's torch.round does; rounding half away from zero, or
+    truncating, moves these outputs far outside the tolerance. Rows in every position of a 4-row tile."""
+    w = make_weight("Q8_0", 48, 64, seed=3)
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5, 126.5, -126.5, 0.0, -0.0, 1.0, 7.25, 12.5, -12.5])
+    x = torch.cat([torch.tensor([127.0]), ties.repeat(4)[:31], torch.tensor([-127.0]), ties.flip(0).repeat(2)[:31]])
+    x = torch.stack([x, -x, x.roll(1), -x.roll(2), x]).to(dtype)
+    got = ops.qlinear(x, w.data, w.scale, w.offset, w.zero, w.bits, w.rows, None)
+    want = qlinear_reference(x, w)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8"])
 @pytest.mark.parametrize("rows", [24, 33, 64])
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (32, 7, True), (1536, 64, True), (64, 48, False)])

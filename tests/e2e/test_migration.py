@@ -128,6 +128,10 @@ def test_decode_workers_killed_mid_stream_twice_lose_no_token(cluster, workload)
         replies, tasks = start_streams(cluster, workload)
         await wait_for(lambda: all(len(r.messages) >= 3 for r in replies), 120, tasks)
         assert worker_stats(a.address).num_requests == 8, "all 8 run on the first worker"
+        # Paused while b and c restart: on a fast CPU the 8 streams finished on `a` within the restart (300 tokens
+        # in ~3 s on a Zen 5), leaving none to move. Should the gateway's keepalive find `a` dead first, the
+        # streams move the same way, once b and c are up.
+        a.kill(signal.SIGSTOP)
         cluster.restart(b, c)
         b2, c2 = cluster.decode[1], cluster.decode[2]
         await wait_for(lambda: healthy(cluster, b2.address) and healthy(cluster, c2.address), 10)
@@ -148,6 +152,8 @@ def test_decode_workers_killed_mid_stream_twice_lose_no_token(cluster, workload)
         # lease, is noticed by no one: the store frees those at their TTLs (--reserve-ttl-s 10, --lease-ttl-s 30).
         assert wait_clean(cluster, timeout=45) == [], "the dead workers' blocks and leases are gone from the store"
     finally:  # the next tests want three live workers, whatever happened here
+        for w in cluster.decode:
+            w.kill(signal.SIGCONT)  # `a`, if a failure left it paused
         cluster.restart(*[w for w in cluster.decode if not w.alive])
 
 

@@ -93,10 +93,8 @@ struct XRows {
 };
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-// 16 bfloat16 values as float32 (exact).
-inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-inline __m512 load16(const bf16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+using tandem_simd::load16;
+inline __m512 widen(__m256i h) { return tandem_simd::widen16(h); }
 
 template <typename W>
 inline void prefetch_rows(const W* w, int64_t K, int64_t k) {
@@ -422,18 +420,11 @@ namespace {
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16_masked(const bf16_t* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return tandem_simd::widen16(_mm256_maskz_loadu_epi16(m, p));
 }
 inline void store16_masked(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16_masked(bf16_t* p, __m512 v, __mmask16 m) {
-  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
-}
-inline void store16(bf16_t* p, __m512 v) {
-  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
-}
+inline void store16_masked(bf16_t* p, __m512 v, __mmask16 m) { tandem_simd::store16_rounded(p, v, m); }
+inline void store16(bf16_t* p, __m512 v) { tandem_simd::store16_rounded(p, v, 0xffff); }
 
 // silu(gate) * up of a row's columns, 16 at a time; returns how many were done (all, on AVX-512).
 template <typename T>

@@ -41,19 +41,6 @@ namespace {
 constexpr int64_t BLOCK = 32;  // weights per quantization block
 constexpr int64_t GROUP = 16;  // weight rows per group: one per 32-bit lane
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline uint16_t float_to_bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 struct QWeight {
@@ -78,11 +65,6 @@ struct QX {
 };
 
 #if defined(__AVX512F__)
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const uint16_t* p) {  // 16 bfloat16 values as float32 (exact)
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // quantize_x's loop for one block on two vectors: the same max, the same product per value and the same rounding
 // (nearest even), so the same bits. With store_rows' vectors, Q4_1 over the default model's 120 layer matrices,
@@ -90,7 +72,7 @@ inline __m512 load16f(const uint16_t* p) {  // 16 bfloat16 values as float32 (ex
 // 1 row 3.34 -> 3.14; the quantized prefill of 1,024 tokens 402 -> 291 ms (step profile).
 template <typename T>
 inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
-  const __m512 v[2] = {load16f(src), load16f(src + 16)};
+  const __m512 v[2] = {tandem_simd::load16(src), tandem_simd::load16(src + 16)};
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
   const float di = amax / 127.f;
   const __m512 inv = _mm512_set1_ps(di != 0.f ? 1.f / di : 0.f);
@@ -151,7 +133,7 @@ inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
   float amax = 0.f;
   for (int64_t k = 0; k < BLOCK; ++k) {
     if constexpr (std::is_same_v<T, float>) vals[k] = src[k];
-    else vals[k] = bf16_to_float(src[k]);
+    else vals[k] = tandem_simd::to_float(src[k]);
     amax = std::max(amax, std::fabs(vals[k]));
   }
   const float di = amax / 127.f;
@@ -351,12 +333,12 @@ inline void store_group(const float* r, const float* bias, int64_t n0, int64_t N
   for (int64_t l = 0; l < GROUP && n0 + l < N; ++l) {
     const float v = r[l] + (bias ? bias[n0 + l] : 0.f);
     if constexpr (std::is_same_v<T, float>) dst[l] = v;
-    else dst[l] = float_to_bf16(v);
+    else dst[l] = tandem_simd::from_float<uint16_t>(v);
   }
 }
 
 // y's rows m0 .. m0 + mt - 1, columns of groups g .. g + R - 1 (those below N), from r [R, mt, 16] plus the bias.
-// With vectors, each group's 16 outputs of a row at once, rounded to bfloat16 as float_to_bf16 does (round16 /
+// With vectors, each group's 16 outputs of a row at once, rounded to bfloat16 as from_float does (store16_rounded /
 // round8), where the portable loop tests and converts each output (see quantize_block for what that saved).
 template <int R, typename T>
 void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias, int64_t N, T* y) {
@@ -368,12 +350,8 @@ void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias
     for (int m = 0; m < mt; ++m) {
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(r + (gr * mt + m) * GROUP), b);
       T* dst = y + (m0 + m) * N + n0;
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_mask_storeu_ps(dst, cols, v);
-      } else {
-        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(tandem_simd::round16(v, tandem_simd::bf16_t{})), 16);
-        _mm256_mask_storeu_epi16(dst, cols, _mm512_cvtepi32_epi16(bits));
-      }
+      if constexpr (std::is_same_v<T, float>) tandem_simd::store16(dst, v, cols);
+      else tandem_simd::store16_rounded(dst, v, cols);
     }
 #elif defined(TANDEM_QUANT_AVX2)
     if (n0 + GROUP > N) {
@@ -509,7 +487,7 @@ void qlinear_range_amx(const QWeight& W, const uint16_t* x, int64_t M, int64_t K
                              32 * 4);
       for (int m = 0; m < rows; ++m)
         for (int64_t n = n0; n < n1; ++n)
-          y[(m0 + m) * N + n] = float_to_bf16(c[m * 32 + n - n0] + (bias ? bias[n] : 0.f));
+          y[(m0 + m) * N + n] = tandem_simd::from_float<uint16_t>(c[m * 32 + n - n0] + (bias ? bias[n] : 0.f));
     }
   }
   if (configured >= 0) _tile_release();

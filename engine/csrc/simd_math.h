@@ -168,6 +168,17 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 inline void store16(bf16_t* y, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(y, mask, to_bf16(v)); }
+// The lanes of `mask` as bfloat16 with from_float's rounding (round16): torch's bits for every value, denormals
+// included, where store16 rounds by vcvtneps2bf16 where the CPU has it.
+inline void store16_rounded(bf16_t* y, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, bf16_t{})), 16);
+  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(bits));
+}
+
+// 16 values as float32 (bfloat16 ones exactly, by a shift).
+inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // max(s[0, n)), n > 0, 16 lanes at a time with two accumulators (the softmaxes of both attention kernels; a
 // scalar max_element waits on each compare, and was 60% of a prefill's attention on the AMX tiles).

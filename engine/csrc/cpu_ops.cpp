@@ -94,7 +94,7 @@ struct XRows {
 
 #if defined(__AVX512F__)
 using tandem_simd::load16;
-inline __m512 widen(__m256i h) { return tandem_simd::widen16(h); }
+using tandem_simd::widen16;
 
 template <typename W>
 inline void prefetch_rows(const W* w, int64_t K, int64_t k) {
@@ -337,7 +337,7 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t H, T* out) {
 // A product rounded to T as torch rounds it (tandem_simd::to_bf16): with AVX512_BF16 one vcvtneps2bf16, nearest even
 // as torch for every normal value (denormals flush to zero), where round16 takes seven (norm_row_bf16, rope_row).
 inline __m512 rnd(__m512 v, float) { return v; }
-inline __m512 rnd(__m512 v, bf16_t) { return widen(tandem_simd::to_bf16(v)); }
+inline __m512 rnd(__m512 v, bf16_t) { return widen16(tandem_simd::to_bf16(v)); }
 
 // rms_norm_row of a bfloat16 row (H % 16 == 0), with the residual add, rounding as rnd does: one instruction where
 // round16, the shift and the pack take nine, and on Zen 4 every 512-bit one is two: a 16-row call 7.2 -> 5.6 us,
@@ -349,7 +349,7 @@ void norm_row_bf16(bf16_t* x, const bf16_t* delta, const bf16_t* w, float eps, i
     if (delta) {  // rounded once, stored, and read on as float32
       const __m256i r = tandem_simd::to_bf16(_mm512_add_ps(v, load16(delta + i)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), r);
-      v = widen(r);
+      v = widen16(r);
     }
     ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
   }

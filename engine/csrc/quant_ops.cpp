@@ -132,8 +132,7 @@ inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
   float vals[BLOCK];
   float amax = 0.f;
   for (int64_t k = 0; k < BLOCK; ++k) {
-    if constexpr (std::is_same_v<T, float>) vals[k] = src[k];
-    else vals[k] = tandem_simd::to_float(src[k]);
+    vals[k] = tandem_simd::to_float(src[k]);
     amax = std::max(amax, std::fabs(vals[k]));
   }
   const float di = amax / 127.f;
@@ -331,9 +330,7 @@ constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 intege
 template <typename T>
 inline void store_group(const float* r, const float* bias, int64_t n0, int64_t N, T* dst) {
   for (int64_t l = 0; l < GROUP && n0 + l < N; ++l) {
-    const float v = r[l] + (bias ? bias[n0 + l] : 0.f);
-    if constexpr (std::is_same_v<T, float>) dst[l] = v;
-    else dst[l] = tandem_simd::from_float<uint16_t>(v);
+    dst[l] = tandem_simd::from_float<T>(r[l] + (bias ? bias[n0 + l] : 0.f));
   }
 }
 
@@ -485,9 +482,13 @@ void qlinear_range_amx(const QWeight& W, const uint16_t* x, int64_t M, int64_t K
       if (rows != configured) tandem_amx::configure_2x2(configured = rows);
       tandem_amx::matmul_2x2(x + m0 * K, K * 2, rows, panel.data(), 32 * 4, BLOCK / 2 * 32 * 2, K / BLOCK, 1, c,
                              32 * 4);
-      for (int m = 0; m < rows; ++m)
-        for (int64_t n = n0; n < n1; ++n)
-          y[(m0 + m) * N + n] = tandem_simd::from_float<uint16_t>(c[m * 32 + n - n0] + (bias ? bias[n] : 0.f));
+      for (int h = 0; h < R; ++h) {  // each group's 16 outputs of a row at once, rounded as from_float (store_rows')
+        const __mmask16 cols = tandem_simd::columns(n1 - n0 - h * GROUP);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(cols, bias + n0 + h * GROUP) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; ++m)
+          tandem_simd::store16_rounded(y + (m0 + m) * N + n0 + h * GROUP,
+                                       _mm512_add_ps(_mm512_load_ps(c + m * 32 + h * GROUP), b), cols);
+      }
     }
   }
   if (configured >= 0) _tile_release();

@@ -285,24 +285,15 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA without AVX-512 (Zen 1-3; Intel's cores from Haswell to Alder Lake): the same panels, 8 lanes a
-// vector. A pass runs R rows of x against one 16-column vector of a panel (two 8-lane halves) over all of k:
-// 2R accumulators, the two halves' weights (four widened halves for bfloat16) and the broadcasts fit the 16
-// registers at R = 4, and each k step's 8 FMAs against 6 loads keep the FMA units busy. bfloat16 is widened as
-// WidenedStep does (odd element by a mask, even by a shift; odd FMA first), from x widened once per call. The
-// sums go through a buffer to scalar epilogues: the bias is each sum's first term, as on AVX-512, and the
-// rounding and SiLU are the unfused ops' own expressions (expf), so packed_linear_silu gives silu_mul's bits.
+// vector. A pass runs R <= 6 rows of x against one 16-column vector of a panel (two 8-lane halves) over all of k:
+// 2R accumulators, the two halves' weights and a broadcast fit the 16 registers. Two FMAs a cycle at a latency of
+// four want 8 sums in flight; 4 rows (8 accumulators) left none to spare, and on a 2-core Zen 3 one core ran float32
+// at 61% of its FMA rate, 6 rows at 97% (bfloat16 83% -> 88%). bfloat16 is widened as WidenedStep does (odd element
+// by a mask or two shifts, even by a shift; odd FMA first), from x widened once per call. The sums go through a
+// buffer to the epilogue, 8 outputs a vector: the bias is each sum's first term, as on AVX-512; the rounding and the
+// SiLU (exp8_any, exp16's bits) are the AVX-512 epilogue's on 8 lanes.
 constexpr bool PACKED = true;
-
-// float32 of a sum stored as Y from products of T: rounded to T's precision first (see store_out).
-using tandem_simd::round_to;
-
-template <typename T, typename Y>
-inline Y out_of(float v) {
-  if constexpr (std::is_same_v<Y, float>)
-    return round_to<T>(v);
-  else
-    return tandem_simd::from_float<Y>(v);
-}
+constexpr int MR8 = 6;  // rows of x per pass, at most
 
 // R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
 // sums of each row to out[r * NR, +16), starting from init[16].
@@ -316,7 +307,7 @@ inline void vector_sums(const float* x, int64_t K, const T* w, int64_t steps, co
     for (int64_t s = 0; s < steps; ++s, w += NR) {
       fetch.step();
       const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * K + s);
         acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
@@ -324,14 +315,29 @@ inline void vector_sums(const float* x, int64_t K, const T* w, int64_t steps, co
       }
     }
   } else {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const auto pairs = [&](int h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * h)); };
     for (int64_t s = 0; s < steps; ++s, w += NR * 2) {
       fetch.step();
-      const tandem_simd::Pairs8 w0 = tandem_simd::widen_pairs8(w), w1 = tandem_simd::widen_pairs8(w + 16);
-#pragma GCC unroll 4
+      __m256 wv[2];
+      for (int h = 0; h < 2; ++h)  // the odd elements, by two shifts where the mask would want a 17th register
+        wv[h] = _mm256_castsi256_ps(R > 4 ? _mm256_slli_epi32(_mm256_srli_epi32(pairs(h), 16), 16)
+                                          : _mm256_and_si256(pairs(h), high));
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * s), xo = _mm256_broadcast_ss(x + r * K + 2 * s + 1);
-        acc[r][0] = _mm256_fmadd_ps(w0.even, xe, _mm256_fmadd_ps(w0.odd, xo, acc[r][0]));
-        acc[r][1] = _mm256_fmadd_ps(w1.even, xe, _mm256_fmadd_ps(w1.odd, xo, acc[r][1]));
+        const __m256 xo = _mm256_broadcast_ss(x + r * K + 2 * s + 1);
+        acc[r][0] = _mm256_fmadd_ps(wv[0], xo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(wv[1], xo, acc[r][1]);
+      }
+      // Without this GCC hoists the even half's broadcasts above the odd FMAs and spills an accumulator to the
+      // stack (6 rows: 66% of one core's FMA rate, 88% with it).
+      asm volatile("" ::: "memory");
+      for (int h = 0; h < 2; ++h) wv[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs(h), 16));
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * s);
+        acc[r][0] = _mm256_fmadd_ps(wv[0], xe, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(wv[1], xe, acc[r][1]);
       }
     }
   }
@@ -368,6 +374,25 @@ inline void panel_sums(const float* x, const T* w, int64_t steps, const float* i
   for (int i = 0; i < NV * 2; ++i) _mm256_storeu_ps(out + i * 8, acc[i]);
 }
 
+// The first `cols` outputs of one row from its sums `sr` [NR] (silu(gate) * up of the two halves for SiluMul),
+// 8 at a time: what store_out and silu_mul16 do on AVX-512. Y = float keeps T's rounding (logits).
+template <typename T, typename Y, Out O>
+inline void store_row8(const float* sr, int64_t cols, Y* yr) {
+  using tandem_simd::round8;
+  for (int64_t c = 0; c < cols; c += 8) {
+    __m256 v;
+    if constexpr (O == Out::SiluMul) {
+      const __m256 g = round8(_mm256_loadu_ps(sr + c), T{}), u = round8(_mm256_loadu_ps(sr + c + NR / 2), T{});
+      const __m256 e = tandem_simd::exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      v = _mm256_mul_ps(round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), T{}), u);
+    } else {
+      v = _mm256_loadu_ps(sr + c);
+    }
+    if constexpr (std::is_same_v<Y, float>) v = round8(v, T{});  // (bfloat16 stores round as they store)
+    tandem_simd::store8(yr + c, v, cols - c);
+  }
+}
+
 // R rows of x against one panel: y[0..R) x [0, cols), as micro() computes them on AVX-512.
 // `next`, `rate`: as micro's on AVX-512, the fetch spread over the vectors' passes.
 template <typename T, int R, typename Y, Out O>
@@ -382,51 +407,43 @@ inline void micro8(const float* x, int64_t K, const T* panel, int64_t steps, con
       if ((O == Out::SiluMul ? v % (NV / 2) : v) * 16 < cols)  // else no output of this vector is wanted
         vector_sums<T, R>(x, K, panel + v * 16 * step_of_t<T>, steps, init + v * 16, sums + v * 16, fetch);
   }
-  for (int r = 0; r < R; ++r) {
-    const float* sr = sums + r * NR;
-    Y* yr = y + r * ldy;
-    if constexpr (O == Out::SiluMul) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const float g = round_to<T>(sr[c]), u = round_to<T>(sr[c + NR / 2]);
-        yr[c] = out_of<T, Y>(round_to<T>(g / (1.f + std::exp(-g))) * u);
-      }
-    } else {
-      for (int64_t c = 0; c < cols; ++c) yr[c] = out_of<T, Y>(sr[c]);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_row8<T, Y, O>(sums + r * NR, cols, y + r * ldy);
 }
 
-// Rows [m0, m1) of x against panels [p0, p1), MR rows at a time; each panel stays in L2 while the rows go by,
-// and the next one (or `tail`) is fetched over their passes, as panels() does on AVX-512, by the whole tiles of
-// MR rows (a last one of fewer rows fetches nothing; 1-2 rows in all fetch nothing). Without the fetch a
-// panel's first tile waited on memory: in an x86-64-v3 build on a 2-core Zen 4, 16 rows of the default model's
-// layers 49.8 -> 27.0 ms in float32 and 37.9 -> 26.0 in bfloat16 (step profile).
+// Rows [m0, m1) of x against panels [p0, p1), in tiles of at most MR8 rows as even as the rows allow (16 rows: 5,
+// 5, 6), so that no thin tile runs short of accumulators; each panel stays in L2 while the rows go by, and the next
+// one (or `tail`) is fetched over their passes, as panels() does on AVX-512 (1-2 rows in all fetch nothing).
+// Without the fetch a panel's first tile waited on memory: in an x86-64-v3 build on a 2-core Zen 4, 16 rows of the
+// default model's layers 49.8 -> 27.0 ms in float32 and 37.9 -> 26.0 in bfloat16 (step profile).
 template <typename T, typename Y, Out O>
 void panels8(const float* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0,
              int64_t p1, const float* bias, int64_t N, Y* y, Tail tail) {
   constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;
   const int64_t panel_size = steps * NR * step_of_t<T>;
-  const int64_t tiles = std::max<int64_t>(1, (m1 - m0) / MR);
-  const bool fetch = m1 - m0 > 2;
+  const int64_t rows = m1 - m0, tiles = (rows + MR8 - 1) / MR8;
+  const bool fetch = rows > 2;
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
-    // Spread over the vector passes of the whole tiles.
+    // Spread over the vector passes of the tiles.
     const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),
                                                 panel_size * int64_t(sizeof(T)), p + 1 == p1, tail, tiles * NV * steps)
                                    : PanelFetch();
     const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
-    float init[NR];  // each sum's first term: the bias, zero past the panel's columns
+    alignas(32) float init[NR];  // each sum's first term: the bias, zero past the panel's columns
     for (int c = 0; c < NR; ++c) init[c] = bias && c < cols ? bias[n0 + c] : 0.f;
-    for (int64_t m = m0, t = 0; m < m1; m += MR, ++t) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m = m0 + t * rows / tiles;
       const char* pf = ahead.slice(t * NV * steps);
       const float* xm = x + m * K;
       Y* ym = y + m * N + n0;
-      switch (std::min<int64_t>(MR, m1 - m)) {
+      switch (m0 + (t + 1) * rows / tiles - m) {
         case 1: micro8<T, 1, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
         case 2: micro8<T, 2, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
         case 3: micro8<T, 3, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        default: micro8<T, MR, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
+        case 4: micro8<T, 4, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
+        case 5: micro8<T, 5, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
+        default: micro8<T, MR8, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
       }
     }
   }

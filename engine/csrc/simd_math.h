@@ -284,6 +284,50 @@ inline __m256i lanes_below(int64_t k) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// exp of 8 floats of either sign (SiLU's exponents): exp16's steps and clamp, with 2^n (n in [-126, 128]) applied
+// as 2^(n - n/2) then 2^(n/2), each built in the exponent field. Every result is a normal float, so each multiply
+// by a power of two is exact and the result is exp16's bits, as vscalefps gives them.
+inline __m256 exp8_any(__m256 x) {
+  constexpr float log2e = 1.44269504088896341f;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+
+// 8 values as float32 (bfloat16 ones exactly, by a shift).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The first n (all from 8) of 8 floats as float32, or as bfloat16 with from_float's rounding (round8).
+inline void store8(float* y, __m256 v, int64_t n = 8) {
+  if (n >= 8)
+    _mm256_storeu_ps(y, v);
+  else
+    _mm256_maskstore_ps(y, lanes_below(n), v);
+}
+inline void store8(bf16_t* y, __m256 v, int64_t n = 8) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round8(v, bf16_t{})), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), packed);
+  } else {
+    alignas(16) bf16_t lanes[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
+    std::copy(lanes, lanes + n, y);
+  }
+}
+
 }  // namespace tandem_simd
 #endif
 

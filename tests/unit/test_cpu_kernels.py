@@ -373,6 +373,26 @@ def test_norms_and_activation(kernels, dtype, tol, rows):
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("inter", [13, 48])  # a part-vector tail; whole vectors of 8 and 16
+def test_silu_mul_over_the_exponents_whole_range(ops, kernels, dtype, tol, inter):
+    """Gates from -100 to 100: exp(-g) clamps past either end of float32's range (the vector forms scale by 2^n
+    in two steps there); the fused matmul epilogue gives the same bits at every gate."""
+    cpu, ref = kernels
+    gate = torch.linspace(-100, 100, 7 * inter).reshape(7, inter)
+    up = torch.randn(7, inter, generator=torch.Generator().manual_seed(inter))
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    got = cpu.silu_mul(gate_up)
+    close(got, ref.silu_mul(gate_up), tol)
+    assert torch.isfinite(got).all()
+    # The same gates out of packed_linear_silu: x = I (rows = inter) against [gate_up^T; 0] gives sums equal to
+    # gate_up's values (one nonzero product each), so its epilogue sees exactly these gates and ups.
+    w = gate_up.t().contiguous()  # [2 * inter, 7]: x [7, 7] = identity picks row r's values
+    fused = cpu.prepare_gate_up(w)
+    if getattr(fused, "silu_cols", 0):
+        assert torch.equal(cpu.gate_up_silu(torch.eye(7, dtype=dtype), fused), got)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("dim", [32, 40, 64, 6])  # halves of 16 lanes, 16 and a scalar tail, 32, only a tail
 def test_rope_in_place_on_strided_rows(kernels, dtype, tol, dim):
     """q and k heads rotated in place inside the fused qkv rows; v untouched. Each product and their sum

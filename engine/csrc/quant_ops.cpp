@@ -85,13 +85,7 @@ inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
   *d = di;
   *s = di * static_cast<float>(_mm512_reduce_add_epi32(sum));
 }
-#elif defined(__AVX2__)
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8f(const uint16_t* p) {  // 8 bfloat16 values as float32 (exact)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
+#elif defined(__AVX2__) && defined(__FMA__)
 // quantize_block on 8 lanes: _mm256_cvtps_epi32 rounds in the current mode, as std::nearbyint does. With
 // store_rows' vectors, the x86-64-v3 build on the same Zen 5 (its integer kernel dominates here): Q4_1, 16 rows
 // 21.8 -> 20.4 ms, 64 rows 79.0 -> 72.7.
@@ -101,7 +95,7 @@ inline void quantize_block(const T* src, int8_t* q, float* d, float* s) {
   __m256 top = _mm256_setzero_ps();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int h = 0; h < 4; ++h) {
-    v[h] = load8f(src + 8 * h);
+    v[h] = tandem_simd::load8(src + 8 * h);
     top = _mm256_max_ps(top, _mm256_and_ps(v[h], magnitude));
   }
   float lanes[8];
@@ -359,14 +353,7 @@ void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias
       for (int h = 0; h < 2; ++h) {
         const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps();
         const __m256 v = _mm256_add_ps(_mm256_loadu_ps(r + (gr * mt + m) * GROUP + 8 * h), b);
-        T* dst = y + (m0 + m) * N + n0 + 8 * h;
-        if constexpr (std::is_same_v<T, float>) {
-          _mm256_storeu_ps(dst, v);
-        } else {
-          const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(tandem_simd::round8(v, tandem_simd::bf16_t{})), 16);
-          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xd8);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
-        }
+        tandem_simd::store8(y + (m0 + m) * N + n0 + 8 * h, v);
       }
 #else
     for (int m = 0; m < mt; ++m) store_group(r + (gr * mt + m) * GROUP, bias, n0, N, y + (m0 + m) * N + n0);

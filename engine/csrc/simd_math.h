@@ -206,25 +206,39 @@ namespace tandem_simd {
 struct Pairs8 {
   __m256 even, odd;
 };
+inline __m256 pairs_even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 pairs_odd8(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 inline Pairs8 widen_pairs8(const bf16_t* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
+  return {pairs_even8(w), pairs_odd8(w)};
+}
+
+// exp16's reduction and polynomial on 8 lanes, x already clamped: e^r for x = n ln 2 + r, with n (as integers) in `n`.
+inline __m256 exp8_terms(__m256 x, __m256i& n) {
+  constexpr float log2e = 1.44269504088896341f;
+  const __m256 nf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  n = _mm256_cvtps_epi32(nf);
+  return p;
+}
+
+// 2^n of 8 integers n in [-126, 127], built in the exponent field.
+inline __m256 pow2_8(__m256i n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
 }
 
 // exp of 8 floats x <= 0 (a softmax's exponents), for AVX2 CPUs: exp16's steps, 2^n built in the exponent field
 // where exp16 scales with vscalefps. For n in [-126, 0] both scale by one correctly rounded multiply, so the two
 // give the same bits.
 inline __m256 exp8(__m256 x) {
-  constexpr float log2e = 1.44269504088896341f;
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  __m256i n;
+  const __m256 p = exp8_terms(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), n);
+  return _mm256_mul_ps(p, pow2_8(n));
 }
 
 // max(s[0, n)), n > 0, 8 lanes at a time with two accumulators (row_max's AVX2 form).
@@ -284,22 +298,22 @@ inline __m256i lanes_below(int64_t k) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// exp of 8 floats of either sign (SiLU's exponents): exp16's steps and clamp, with 2^n (n in [-126, 128]) applied
-// as 2^(n - n/2) then 2^(n/2), each built in the exponent field. Every result is a normal float, so each multiply
-// by a power of two is exact and the result is exp16's bits, as vscalefps gives them.
+// exp of 8 floats of either sign (SiLU's exponents): exp8 with exp16's upper clamp too, and 2^n (n in [-126, 128])
+// applied as 2^(n - n/2) then 2^(n/2). Every result is a normal float, so each multiply by a power of two is exact
+// and the result is exp16's bits, as vscalefps gives them.
 inline __m256 exp8_any(__m256 x) {
-  constexpr float log2e = 1.44269504088896341f;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
-  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+  __m256i n;
+  const __m256 p = exp8_terms(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f)), n);
+  const __m256i half = _mm256_srai_epi32(n, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2_8(_mm256_sub_epi32(n, half))), pow2_8(half));
+}
+
+// silu(g) * u of 8 gates and ups already rounded to T, as silu_mul16 computes them on AVX-512: the SiLU rounded to
+// T before the product. Both silu_mul and packed_linear_silu's AVX2 epilogue call it, so the two give the same bits.
+template <typename T>
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), T{}), u);
 }
 
 // 8 values as float32 (bfloat16 ones exactly, by a shift).

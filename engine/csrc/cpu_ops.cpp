@@ -680,6 +680,22 @@ constexpr bool q_in_pair_order(int64_t D) {
 #endif
 }
 
+// q's G * D values as float32 in pair order (q_in_pair_order): per 16 columns the 8 even ones, then the 8 odd ones.
+template <typename T>
+inline void q_pairs_to_float(const T* q, int64_t n, float* out) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, bf16_t>) {  // n is a multiple of 16 (vector_head)
+    for (int64_t c = 0; c < n; c += 16) {
+      const tandem_simd::Pairs8 w = tandem_simd::widen_pairs8(q + c);
+      _mm256_storeu_ps(out + c, w.even);
+      _mm256_storeu_ps(out + c + 8, w.odd);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = to_float(q[(j & ~int64_t{15}) + 2 * (j & 7) + (j >> 3 & 1)]);
+}
+
 // The task a thread runs next in decode attention: its keys [t0, t1) of K/V head rows `kc` / `vc`, through
 // `table`. Its rows are fetched into L2 during the current task's scores, a share per 16 keys.
 template <typename T>
@@ -949,14 +965,18 @@ void values8_pass(const float* scores, int64_t n, int64_t D, const T* vc, const 
   for (int64_t t = t0; t < t1; ++t) {
     const T* vrow = slot_row(vc, table, block_size, t, D) + c0;
     if (fetch && t + VALUE_PREFETCH < t1) prefetch_row(slot_row(vc, table, block_size, t + VALUE_PREFETCH, D), D);
-    __m256 row[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; v += 2) load_cols16(vrow + v * 8, row + v);
+    for (int v = 0; v < NV; v += 2) {
+      __m256 row[2];
+      load_cols16(vrow + v * 8, row);
+      const float* ps = scores + t - t0;
+      asm volatile("" : "+r"(ps));
 #pragma GCC unroll 16
-    for (int g = 0; g < GN; ++g) {
-      const __m256 p = _mm256_broadcast_ss(scores + g * n + t - t0);
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(p, row[v], a[g][v]);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 p = _mm256_broadcast_ss(ps + g * n);
+        a[g][v] = _mm256_fmadd_ps(p, row[0], a[g][v]);
+        a[g][v + 1] = _mm256_fmadd_ps(p, row[1], a[g][v + 1]);
+      }
     }
   }
 #pragma GCC unroll 16
@@ -1094,8 +1114,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       T* dst = op + b * Hq * D + (h * G + g) * D;
       int64_t d = 0;
 #if defined(__AVX512F__)
-      const __m512 inv = _mm512_set1_ps(total);
-      for (; d + LANES <= D; d += LANES) store16(dst + d, _mm512_div_ps(_mm512_loadu_ps(o + d), inv));
+      const __m512 sum = _mm512_set1_ps(total);
+      for (; d + LANES <= D; d += LANES) store16(dst + d, _mm512_div_ps(_mm512_loadu_ps(o + d), sum));
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 sum = _mm256_set1_ps(total);
+      for (; d + 8 <= D; d += 8) tandem_simd::store8(dst + d, _mm256_div_ps(_mm256_loadu_ps(o + d), sum));
 #endif
       for (; d < D; ++d) dst[d] = from_float<T>(o[d] / total);
     };
@@ -1116,8 +1139,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         const int64_t h = k / parts, t0 = k % parts * PART_KEYS, t1 = std::min<int64_t>(lp[b], t0 + PART_KEYS);
         const T* qh = qp + b * q_stride + h * G * D;
         const NextTask<T> next = i + 1 < i1 ? task(i + 1) : NextTask<T>{};
-        if (q_pairs)  // per 16 columns: the 8 even ones, then the 8 odd ones
-          for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[(j & ~int64_t{15}) + 2 * (j & 7) + (j >> 3 & 1)]);
+        if (q_pairs)
+          q_pairs_to_float(qh, G * D, qf.data());
         else if (!q_as_is)
           for (int64_t j = 0; j < G * D; ++j) qf[j] = to_float(qh[j]);
         float* a = &acc[i * G * D];

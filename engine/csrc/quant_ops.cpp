@@ -7,7 +7,7 @@
 // Decode reads every weight once per step, so fewer bytes per weight is speed; the dot products
 // run on integers: x is quantized per 32-block to int8 (scale d, as llama.cpp's Q8 activations),
 // and AVX-512 VNNI multiplies 64 weight bytes by 64 activation bytes per instruction (AVX2 CPUs: the same sums
-// from 16-bit products, qgroup_row).
+// from 16-bit products, qgroup_rows).
 //
 // Layout (what engine/quant/packing.py writes): rows in groups of 16, one per 32-bit lane. For each
 // group and block, step s (0..7) is 64 bytes: bytes 4s..4s+3 of the block of each of the 16 rows, so
@@ -230,42 +230,46 @@ inline __m256i rows8(__m256i a, __m256i b) {  // rows 0-3 and 4-7 as (row, k pai
   return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xd8);
 }
 
-// One group of 16 rows against one row of x: out[0, 16).
-template <int BITS>
-void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+// One group of 16 rows against MR (1 or 2) rows of x from row m: out[i * GROUP, +16) for row m + i. Each 16 bytes
+// of weights are loaded and widened once for the MR rows (one row at a time widened every group's weights again per
+// row of x: at 64 rows the same work 64 times). A block's integer sums go a quarter of the step at a time (4 rows
+// of W, all the k), which keeps 4 MR sums, the widened weights and x's two broadcasts in registers; integer sums
+// are exact in any order, and the float32 scaling runs per block in block order as before: the same bits.
+template <int BITS, int MR>
+void qgroup_rows(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi16(0x0f);
+  const auto widen = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
   for (int64_t j = 0; j < W.nb; ++j) {
-    const int16_t* xw = X.q16 + m * X.K + j * BLOCK;
-    const auto x4 = [&](int s) {  // x's 4 values of step s in every 64-bit lane
+    const auto x4 = [&](int i, int s) {  // row m + i's 4 values of step s in every 64-bit lane
       int64_t v;
-      std::memcpy(&v, xw + 4 * s, sizeof v);
+      std::memcpy(&v, X.q16 + (m + i) * X.K + j * BLOCK + 4 * s, sizeof v);
       return _mm256_set1_epi64x(v);
     };
-    const auto widen = [](const uint8_t* p) {
-      return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    };
     const uint8_t* wb = W.data + (g * W.nb + j) * W.block_bytes();
-    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    if constexpr (BITS == 4) {
-      for (int t = 0; t < 4; ++t) {
-        const __m256i xl = x4(2 * t), xh = x4(2 * t + 1);
-        for (int q = 0; q < 4; ++q) {
+    __m256i a[MR][4];
+    for (int q = 0; q < 4; ++q) {
+      for (int i = 0; i < MR; ++i) a[i][q] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int t = 0; t < 4; ++t) {
           const __m256i v = widen(wb + 64 * t + 16 * q);
-          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(_mm256_and_si256(v, nibble), xl));
-          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xh));
+          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
+          for (int i = 0; i < MR; ++i) {
+            a[i][q] = _mm256_add_epi32(a[i][q], _mm256_madd_epi16(lo, x4(i, 2 * t)));
+            a[i][q] = _mm256_add_epi32(a[i][q], _mm256_madd_epi16(hi, x4(i, 2 * t + 1)));
+          }
+        }
+      } else {
+        for (int s = 0; s < 8; ++s) {
+          const __m256i v = widen(wb + 64 * s + 16 * q);
+          for (int i = 0; i < MR; ++i) a[i][q] = _mm256_add_epi32(a[i][q], _mm256_madd_epi16(v, x4(i, s)));
         }
       }
-    } else {
-      for (int s = 0; s < 8; ++s) {
-        const __m256i xv = x4(s);
-        for (int q = 0; q < 4; ++q)
-          a[q] = _mm256_add_epi32(a[q], _mm256_madd_epi16(widen(wb + 64 * s + 16 * q), xv));
-      }
     }
-    const __m256i isum[2] = {rows8(a[0], a[1]), rows8(a[2], a[3])};
     const int64_t at = (g * W.nb + j) * GROUP;
-    const float dj = X.d[m * X.nb + j], sj = X.s[m * X.nb + j];
     for (int h = 0; h < 2; ++h) {
       const __m256 ws = W.row_scale
           ? _mm256_loadu_ps(W.row_scale + g * GROUP + 8 * h)
@@ -273,19 +277,28 @@ void qgroup_row(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out)
       const __m256 wo = W.offset
           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.offset + at + 8 * h)))
           : _mm256_mul_ps(ws, _mm256_set1_ps(-W.zero));
-      const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_set1_ps(dj));
-      acc[h] = _mm256_fmadd_ps(wo, _mm256_set1_ps(sj), _mm256_fmadd_ps(dot, ws, acc[h]));
+      for (int i = 0; i < MR; ++i) {
+        const float dj = X.d[(m + i) * X.nb + j], sj = X.s[(m + i) * X.nb + j];
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8(a[i][2 * h], a[i][2 * h + 1])), _mm256_set1_ps(dj));
+        acc[i][h] = _mm256_fmadd_ps(wo, _mm256_set1_ps(sj), _mm256_fmadd_ps(dot, ws, acc[i][h]));
+      }
     }
   }
-  _mm256_storeu_ps(out, acc[0]);
-  _mm256_storeu_ps(out + 8, acc[1]);
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(out + i * GROUP, acc[i][0]);
+    _mm256_storeu_ps(out + i * GROUP + 8, acc[i][1]);
+  }
 }
 
-// out[r][m][lane] as the VNNI kernel's: each group and row of x on its own (the weights come again from L1).
+// out[r][m][lane] as the VNNI kernel's: each group against its rows of x two at a time (the weights come again from
+// L1 for each pair).
 template <int BITS, int R, int MT>
 void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) qgroup_row<BITS>(W, g + r, X, m0 + m, out + (r * MT + m) * GROUP);
+  for (int r = 0; r < R; ++r) {
+    int m = 0;
+    for (; m + 2 <= MT; m += 2) qgroup_rows<BITS, 2>(W, g + r, X, m0 + m, out + (r * MT + m) * GROUP);
+    if (m < MT) qgroup_rows<BITS, 1>(W, g + r, X, m0 + m, out + (r * MT + m) * GROUP);
+  }
 }
 #else
 constexpr bool HAVE_INT_DOT = false;

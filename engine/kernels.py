@@ -162,7 +162,9 @@ QUANT_GEMM_M = {torch.bfloat16: 1 << 30, torch.float32: 1 << 30}
 # AVX2 CPUs (no VNNI: the integer kernel multiplies in int16) cross over at about 256 rows:
 # over the default model's four matrices in Q4_0 / Q8_0, bfloat16 x, x86-64-v3 build on a 2-core Zen 4, integer
 # kernel against dequantizing and float32 GEMM: 16 rows 1.2 / 1.1 ms against 11.3 / 10.9, 64 rows 3.8 / 3.8 against
-# 13.3 / 10.4, 128 rows 7.3 / 7.1 against 13.9 / 11.2, 256 rows 14.1 / 14.7 against 13.9 / 13.8.
+# 13.3 / 10.4, 128 rows 7.3 / 7.1 against 13.9 / 11.2, 256 rows 14.1 / 14.7 against 13.9 / 13.8. With the weights
+# widened once for two rows (qgroup_rows), same machine type: 256 rows 10.2 / 10.4 against 14.9 / 9.8, 384 rows
+# 16.2 / 15.4 against 17.1 / 12.0, 512 rows 22.0 / 22.0 against 19.7 / 15.0: still about 256.
 QUANT_GEMM_M_AVX2 = 256
 
 

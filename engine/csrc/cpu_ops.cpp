@@ -680,20 +680,18 @@ constexpr bool q_in_pair_order(int64_t D) {
 #endif
 }
 
-// q's G * D values as float32 in pair order (q_in_pair_order): per 16 columns the 8 even ones, then the 8 odd ones.
+// q's G * D values as float32 in pair order: per 16 columns the 8 even ones, then the 8 odd ones. Called only where
+// q_in_pair_order holds (AVX2 builds, bfloat16, n a multiple of 16); elsewhere it has nothing to do.
 template <typename T>
 inline void q_pairs_to_float(const T* q, int64_t n, float* out) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, bf16_t>) {  // n is a multiple of 16 (vector_head)
+  if constexpr (std::is_same_v<T, bf16_t>)
     for (int64_t c = 0; c < n; c += 16) {
       const tandem_simd::Pairs8 w = tandem_simd::widen_pairs8(q + c);
       _mm256_storeu_ps(out + c, w.even);
       _mm256_storeu_ps(out + c + 8, w.odd);
     }
-    return;
-  }
 #endif
-  for (int64_t j = 0; j < n; ++j) out[j] = to_float(q[(j & ~int64_t{15}) + 2 * (j & 7) + (j >> 3 & 1)]);
 }
 
 // The task a thread runs next in decode attention: its keys [t0, t1) of K/V head rows `kc` / `vc`, through
@@ -953,6 +951,9 @@ void scores8(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, co
 // values_regs on 8 lanes for GN query heads and the columns [c0, c0 + 8 NV): their sums in GN x NV registers (at
 // most 12). GN is a constant and the loops over the array are unrolled by pragma, or GCC 12 keeps the sums in
 // registers and still stores every one of them to the stack on every key (1.6x slower on a 2-core Zen 4).
+// Each key's row is taken 16 columns at a time for all GN heads (12 sums, 2 row vectors, a weight and bfloat16's
+// mask: the 16 registers). The weights are broadcast again for each 16 columns, from a pointer an empty asm hides:
+// GCC would otherwise keep all GN of them live across the row and spill two sums, a store and a reload on every key.
 // `fetch`: bring the next rows in as the pass goes.
 template <typename T, int NV, int GN>
 void values8_pass(const float* scores, int64_t n, int64_t D, const T* vc, const int32_t* table, int64_t block_size,

@@ -335,7 +335,7 @@ void qgroups(const QWeight& W, int64_t g, const QX& X, int64_t m0, float* out) {
 
 constexpr int QMAX_TILE = 4;  // rows of x per tile (2 groups x 4 rows: 8 integer and 8 float accumulators)
 
-// One group's outputs of one row plus the bias, column by column (the portable form; a part-filled last group on AVX2).
+// One group's outputs of one row plus the bias, column by column (the portable form).
 template <typename T>
 inline void store_group(const float* r, const float* bias, int64_t n0, int64_t N, T* dst) {
   for (int64_t l = 0; l < GROUP && n0 + l < N; ++l) {
@@ -360,16 +360,15 @@ void store_rows(const float* r, int mt, int64_t m0, int64_t g, const float* bias
       else tandem_simd::store16_rounded(dst, v, cols);
     }
 #elif defined(TANDEM_QUANT_AVX2)
-    if (n0 + GROUP > N) {
-      for (int m = 0; m < mt; ++m) store_group(r + (gr * mt + m) * GROUP, bias, n0, N, y + (m0 + m) * N + n0);
-      continue;
-    }
-    for (int m = 0; m < mt; ++m)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps();
+    const int64_t cols = std::min<int64_t>(GROUP, N - n0);  // a part-filled last group: its first cols outputs
+    for (int h = 0; 8 * h < cols; ++h) {
+      const __m256 b = bias ? _mm256_maskload_ps(bias + n0 + 8 * h, tandem_simd::lanes_below(cols - 8 * h))
+                            : _mm256_setzero_ps();
+      for (int m = 0; m < mt; ++m) {
         const __m256 v = _mm256_add_ps(_mm256_loadu_ps(r + (gr * mt + m) * GROUP + 8 * h), b);
-        tandem_simd::store8(y + (m0 + m) * N + n0 + 8 * h, v);
+        tandem_simd::store8(y + (m0 + m) * N + n0 + 8 * h, v, cols - 8 * h);
       }
+    }
 #else
     for (int m = 0; m < mt; ++m) store_group(r + (gr * mt + m) * GROUP, bias, n0, N, y + (m0 + m) * N + n0);
 #endif

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -294,6 +295,13 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 // SiLU (exp8_any, exp16's bits) are the AVX-512 epilogue's on 8 lanes.
 constexpr bool PACKED = true;
 constexpr int MR8 = 6;  // rows of x per pass, at most
+// Up to this many rows, each row goes through the panel front to back on its own (panel_sums), the first from
+// memory and the rest from L2. Vector-major passes of a 2-3-row tile read the panel in six interleaved strides,
+// which the hardware's stream prefetch does not follow and the paced software fetch (which holds a line-fill
+// buffer per line) follows more slowly: 2 rows of the default model's matrices, x86-64-v3 build on a 2-core Zen 4,
+// 21.3 -> 9.4-13.3 ms in float32 and 14.7 -> 6.6 in bfloat16 (one row: 8.3 and 6.7); 3 rows 13.5 -> 11.3-11.6
+// and 8.3 -> 8.0; 4 rows level, 6 rows slower (16.5 -> 19.9).
+constexpr int64_t ROWWISE = 3;
 
 // R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
 // sums of each row to out[r * NR, +16), starting from init[16]. Not inlined: compiled on its own, GCC keeps all 12
@@ -400,59 +408,53 @@ inline void store_row8(const float* sr, int64_t cols, Y* yr) {
   }
 }
 
-// R rows of x against one panel: y[0..R) x [0, cols), as micro() computes them on AVX-512.
-// `next`, `rate`: as micro's on AVX-512, the fetch spread over the vectors' passes.
-template <typename T, int R, typename Y, Out O>
-inline void micro8(const float* x, int64_t K, const T* panel, int64_t steps, const float* init, int64_t cols, Y* y,
-                   int64_t ldy, const char* next, int rate) {
-  alignas(32) float sums[R * NR];
-  if constexpr (R == 1) {
-    panel_sums<T>(x, panel, steps, init, sums);
-  } else {
-    tandem_simd::PacedFetch<_MM_HINT_T2> fetch{next, rate};
-    for (int v = 0; v < NV; ++v)
-      if ((O == Out::SiluMul ? v % (NV / 2) : v) * 16 < cols)  // else no output of this vector is wanted
-        vector_sums<T, R>(x, K, panel + v * 16 * step_of_t<T>, steps, init + v * 16, sums + v * 16, fetch);
-  }
-  for (int r = 0; r < R; ++r) store_row8<T, Y, O>(sums + r * NR, cols, y + r * ldy);
-}
-
-// Rows [m0, m1) of x against panels [p0, p1), in tiles of at most MR8 rows as even as the rows allow (16 rows: 5,
-// 5, 6), so that no thin tile runs short of accumulators; each panel stays in L2 while the rows go by, and the next
-// one (or `tail`) is fetched over their passes, as panels() does on AVX-512 (1-2 rows in all fetch nothing).
-// Without the fetch a panel's first tile waited on memory: in an x86-64-v3 build on a 2-core Zen 4, 16 rows of the
-// default model's layers 49.8 -> 27.0 ms in float32 and 37.9 -> 26.0 in bfloat16 (step profile).
+// Rows [m0, m1) of x against panels [p0, p1). A panel's sums go vector by vector, and within a vector tile by
+// tile, in tiles of at most MR8 rows as even as the rows allow (16 rows: 5, 5, 6), so that no thin tile runs short
+// of accumulators; the outputs are stored once a panel's vectors are all done. Vector-major, one 16-column slice
+// of the panel (K x 64 bytes in float32) serves all the tiles while it is hot, where tile-major passes read the
+// whole panel (up to K x 384 bytes: 590 KB for the down projection's) once per tile, from an L2 that also takes
+// the fetch of the next panel (16 rows of the default model's matrices, x86-64-v3 build on a 2-core Zen 4: float32
+// 24.9 -> 23.0 ms, bfloat16 24.2 -> 23.7; a Zen 3 has half that L2). The next panel (or `tail`) is fetched over
+// the passes, as panels() does on AVX-512. Without the fetch a panel's first pass waited on memory: in an
+// x86-64-v3 build on a 2-core Zen 4, 16 rows of the default model's layers 49.8 -> 27.0 ms in float32 and 37.9
+// -> 26.0 in bfloat16 (step profile). Up to ROWWISE rows, a row at a time instead.
 template <typename T, typename Y, Out O>
 void panels8(const float* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0,
              int64_t p1, const float* bias, int64_t N, Y* y, Tail tail) {
   constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;
   const int64_t panel_size = steps * NR * step_of_t<T>;
   const int64_t rows = m1 - m0, tiles = (rows + MR8 - 1) / MR8;
-  const bool fetch = rows > 2;
+  thread_local std::vector<float> buffer;
+  buffer.resize(rows * NR);
+  float* sums = buffer.data();
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
-    // Spread over the vector passes of the tiles.
-    const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),
-                                                panel_size * int64_t(sizeof(T)), p + 1 == p1, tail, tiles * NV * steps)
-                                   : PanelFetch();
-    const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     alignas(32) float init[NR];  // each sum's first term: the bias, zero past the panel's columns
     for (int c = 0; c < NR; ++c) init[c] = bias && c < cols ? bias[n0 + c] : 0.f;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m = m0 + t * rows / tiles;
-      const char* pf = ahead.slice(t * NV * steps);
-      const float* xm = x + m * K;
-      Y* ym = y + m * N + n0;
-      switch (m0 + (t + 1) * rows / tiles - m) {
-        case 1: micro8<T, 1, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        case 2: micro8<T, 2, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        case 3: micro8<T, 3, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        case 4: micro8<T, 4, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        case 5: micro8<T, 5, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
-        default: micro8<T, MR8, Y, O>(xm, K, panel, steps, init, cols, ym, N, pf, rate); break;
+    if (rows <= ROWWISE) {
+      for (int64_t r = 0; r < rows; ++r) panel_sums<T>(x + (m0 + r) * K, panel, steps, init, sums + r * NR);
+    } else {
+      const PanelFetch ahead(reinterpret_cast<const char*>(panel + panel_size), panel_size * int64_t(sizeof(T)),
+                             p + 1 == p1, tail, tiles * NV * steps);
+      tandem_simd::PacedFetch<_MM_HINT_T2> paced{ahead.slice(0), ahead.rate};
+      for (int v = 0; v < NV; ++v) {
+        if ((O == Out::SiluMul ? v % (NV / 2) : v) * 16 >= cols) continue;  // no output of this vector is wanted
+        const T* w = panel + v * 16 * step_of_t<T>;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = t * rows / tiles, r1 = (t + 1) * rows / tiles;
+          const float* xm = x + (m0 + r0) * K;
+          float* out = sums + r0 * NR + v * 16;
+          switch (r1 - r0) {  // 3 to 6: more than ROWWISE rows split as evenly as they go
+            case 3: vector_sums<T, 3>(xm, K, w, steps, init + v * 16, out, paced); break;
+            case 4: vector_sums<T, 4>(xm, K, w, steps, init + v * 16, out, paced); break;
+            case 5: vector_sums<T, 5>(xm, K, w, steps, init + v * 16, out, paced); break;
+            default: vector_sums<T, MR8>(xm, K, w, steps, init + v * 16, out, paced); break;
+          }
+        }
       }
     }
+    for (int64_t r = 0; r < rows; ++r) store_row8<T, Y, O>(sums + r * NR, cols, y + (m0 + r) * N + n0);
   }
 }
 #else

@@ -296,12 +296,12 @@ void amx_panels(const bf16_t* x, int64_t K, int64_t m0, int64_t m1, const bf16_t
 constexpr bool PACKED = true;
 constexpr int MR8 = 6;  // rows of x per pass, at most
 // Up to this many rows, each row goes through the panel front to back on its own (panel_sums), the first from
-// memory and the rest from L2. Vector-major passes of a 2-3-row tile read the panel in six interleaved strides,
-// which the hardware's stream prefetch does not follow and the paced software fetch (which holds a line-fill
-// buffer per line) follows more slowly: 2 rows of the default model's matrices, x86-64-v3 build on a 2-core Zen 4,
-// 21.3 -> 9.4-13.3 ms in float32 and 14.7 -> 6.6 in bfloat16 (one row: 8.3 and 6.7); 3 rows 13.5 -> 11.3-11.6
-// and 8.3 -> 8.0; 4 rows level, 6 rows slower (16.5 -> 19.9).
-constexpr int64_t ROWWISE = 3;
+// memory and the second from L2. A 2-row tile's vector passes, without the paced fetch, read the panel in six
+// interleaved strides that the hardware's stream prefetch does not follow: engine decode steps of the default model
+// at batch 2, x86-64-v3 build on a 2-core Zen 4, alternated with the tiles' build, 28.4 -> 13.4 ms in float32 and
+// 19.0 -> 8.8 in bfloat16 (batch 1: ~9). At batch 3 the tiles with the fetch win (14.1 against 15.6 ms float32,
+// 9.3 against 11.3 bfloat16), though over the matrices back to back rows one at a time measured faster there too.
+constexpr int64_t ROWWISE = 2;
 
 // R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
 // sums of each row to out[r * NR, +16), starting from init[16]. Not inlined: compiled on its own, GCC keeps all 12

@@ -189,15 +189,18 @@ inline void micro(const X* x, int64_t K, const T* panel, int64_t steps, const fl
 
 // Rows [m0, m1) of x against panels [p0, p1): each panel is read from memory once and meets the rows MR at a
 // time from L2; the tiles of one panel share out the prefetch of the next, and those of the last panel the
-// prefetch of `tail`. Not for 1-2 rows, which stream the panel faster than the prefetches (4 rows: 6.4 -> 5.8
-// ms with them, 1-2 rows 2% slower).
+// prefetch of `tail`. Not for one tile (up to MR rows), whose pass reads the panel front to back as the hardware's
+// stream prefetch follows, where each software fetch holds a line-fill buffer until its line arrives: engine decode
+// steps on a 2-core Zen 4, alternated with fetching from 3 rows, batch 3 14.96 -> 12.12 ms float32 and 10.30 ->
+// 9.12 bfloat16, batch 4 14.72 -> 11.96 and 9.75 -> 7.31 (a Zen 5 measured the two level at batch 4). From two
+// tiles the fetch pays (batch 8 without it: 17.83 -> 19.32 ms float32, 10.02 -> 10.63 bfloat16).
 template <typename T, typename Y, Out O, typename X = T>
 void panels(const X* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int64_t steps, int64_t p0, int64_t p1,
             const float* bias, int64_t N, Y* y, Tail tail) {
   constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;  // outputs per panel; N counts outputs
   const int64_t panel_size = steps * NR * Step<T>::S;
   const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-  const bool fetch = m1 - m0 > 2;
+  const bool fetch = m1 - m0 > MR;
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
     const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),

@@ -421,8 +421,9 @@ inline void store_row8(const float* sr, int64_t cols, Y* yr) {
 // of accumulators; the outputs are stored once a panel's vectors are all done. Vector-major, one 16-column slice
 // of the panel (K x 64 bytes in float32) serves all the tiles while it is hot, where tile-major passes read the
 // whole panel (up to K x 384 bytes: 590 KB for the down projection's) once per tile, from an L2 that also takes
-// the fetch of the next panel (16 rows of the default model's matrices, x86-64-v3 build on a 2-core Zen 4: float32
-// 24.9 -> 23.0 ms, bfloat16 24.2 -> 23.7; a Zen 3 has half that L2). The next panel (or `tail`) is fetched over
+// the fetch of the next panel (16 rows of the default model's matrices, x86-64-v3 build on a 2-core Zen 4, two runs:
+// float32 24.9 -> 23.0 and 24.6 -> 24.1 ms, bfloat16 24.2 -> 23.7 and 23.1 -> 22.8; engine steps at batch 16 1-2%;
+// a Zen 3 has half that L2). The next panel (or `tail`) is fetched over
 // the passes, as panels() does on AVX-512. Without the fetch a panel's first pass waited on memory: in an
 // x86-64-v3 build on a 2-core Zen 4, 16 rows of the default model's layers 49.8 -> 27.0 ms in float32 and 37.9
 // -> 26.0 in bfloat16 (step profile). Up to ROWWISE rows, a row at a time instead.

@@ -202,8 +202,8 @@ void panels(const X* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
             const float* bias, int64_t N, Y* y, Tail tail) {
   constexpr int64_t width = O == Out::SiluMul ? NR / 2 : NR;  // outputs per panel; N counts outputs
   const int64_t panel_size = steps * NR * Step<T>::S;
-  const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-  const bool fetch = m1 - m0 > MR;
+  const int64_t rows = m1 - m0, tiles = (rows + MR - 1) / MR;
+  const bool fetch = tiles > 1;
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = packed + p * panel_size;
     const PanelFetch ahead = fetch ? PanelFetch(reinterpret_cast<const char*>(panel + panel_size),
@@ -212,13 +212,12 @@ void panels(const X* x, int64_t K, int64_t m0, int64_t m1, const T* packed, int6
     const int rate = ahead.rate;
     const int64_t n0 = p * width, cols = std::min<int64_t>(width, N - n0);
     const float* b = bias ? bias + n0 : nullptr;
-    const int64_t rows = m1 - m0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m = m0 + t * rows / tiles;
+      const int64_t r0 = t * rows / tiles, r1 = (t + 1) * rows / tiles;
       const char* pf = ahead.slice(t * steps);
-      const X* xm = x + m * K;
-      Y* ym = y + m * N + n0;
-      switch (m0 + (t + 1) * rows / tiles - m) {
+      const X* xm = x + (m0 + r0) * K;
+      Y* ym = y + (m0 + r0) * N + n0;
+      switch (r1 - r0) {
         case 1: micro<T, 1, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
         case 2: micro<T, 2, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;
         case 3: micro<T, 3, Y, O, X>(xm, K, panel, steps, b, cols, ym, N, pf, rate); break;

@@ -272,6 +272,11 @@ void qgroup_rows(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out
       }
     }
     const int64_t at = (g * W.nb + j) * GROUP;
+    __m256 dj[MR], sj[MR];  // each row's activation scale and sum for this block, for both halves
+    for (int i = 0; i < MR; ++i) {
+      dj[i] = _mm256_set1_ps(X.d[(m + i) * X.nb + j]);
+      sj[i] = _mm256_set1_ps(X.s[(m + i) * X.nb + j]);
+    }
     for (int h = 0; h < 2; ++h) {
       const __m256 ws = W.row_scale
           ? _mm256_loadu_ps(W.row_scale + g * GROUP + 8 * h)
@@ -280,9 +285,8 @@ void qgroup_rows(const QWeight& W, int64_t g, const QX& X, int64_t m, float* out
           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.offset + at + 8 * h)))
           : _mm256_mul_ps(ws, _mm256_set1_ps(-W.zero));
       for (int i = 0; i < MR; ++i) {
-        const float dj = X.d[(m + i) * X.nb + j], sj = X.s[(m + i) * X.nb + j];
-        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8(a[i][2 * h], a[i][2 * h + 1])), _mm256_set1_ps(dj));
-        acc[i][h] = _mm256_fmadd_ps(wo, _mm256_set1_ps(sj), _mm256_fmadd_ps(dot, ws, acc[i][h]));
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8(a[i][2 * h], a[i][2 * h + 1])), dj[i]);
+        acc[i][h] = _mm256_fmadd_ps(wo, sj[i], _mm256_fmadd_ps(dot, ws, acc[i][h]));
       }
     }
   }

@@ -18,7 +18,7 @@
 // On CPUs with AMX, bfloat16 runs on the tiles over these same panels (amx_panels below) wherever K is
 // a whole number of 32-k chunks; the dot-product micro-kernel serves float32 and the rest. On CPUs without
 // AVX512_BF16, bfloat16 pairs are widened in registers to float32 FMAs (widened_step). On CPUs with AVX2 and
-// FMA but no AVX-512, an 8-lane micro-kernel reads the same panels (vector_sums, micro8, panels8).
+// FMA but no AVX-512, an 8-lane micro-kernel reads the same panels (vector_sums, panel_sums, panels8).
 
 #include <torch/extension.h>
 
@@ -309,58 +309,75 @@ constexpr int MR8 = 6;  // rows of x per pass, at most
 // 19.0 -> 8.8 in bfloat16 (batch 1: ~9). At batch 3 the tiles with the fetch win (14.1 against 15.6 ms float32,
 // 9.3 against 11.3 bfloat16), though over the matrices back to back rows one at a time measured faster there too.
 constexpr int64_t ROWWISE = 2;
+// k steps a turn of vector_sums' loop (see there).
+constexpr int UNROLL = 4;
+
+// One k step (one pair of k for bfloat16) of vector_sums: R rows' sums of the 16 columns at w.
+template <typename T, int R>
+__attribute__((always_inline)) inline void vector_step(const float* x, int64_t K, int64_t s, const T* w,
+                                                       __m256 (&acc)[R][2]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + s);
+      acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+    }
+  } else {
+    const __m256i* pairs = reinterpret_cast<const __m256i*>(w);
+    const float* xs = x + 2 * s;  // row r's pair at xs[r * K]
+    __m256 wv[2];
+    // The odd elements by a mask: at 6 rows GCC keeps the mask on the stack, a load a step, which ran faster than
+    // two shifts in its place (one core, 64 rows: 92% of the FMA rate against 87%).
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) wv[h] = tandem_simd::pairs_odd8(_mm256_loadu_si256(pairs + h));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xo = _mm256_broadcast_ss(xs + r * K + 1);
+      acc[r][0] = _mm256_fmadd_ps(wv[0], xo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(wv[1], xo, acc[r][1]);
+    }
+    // The even half's broadcasts wait for the odd half's last FMA: GCC otherwise hoists them above the odd
+    // FMAs, runs out of registers and spills accumulators (6 rows: 66% of one core's FMA rate, 88% without).
+    asm("" : "+r"(xs) : "x"(acc[R - 1][1]));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) wv[h] = tandem_simd::pairs_even8(_mm256_loadu_si256(pairs + h));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(xs + r * K);
+      acc[r][0] = _mm256_fmadd_ps(wv[0], xe, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(wv[1], xe, acc[r][1]);
+    }
+  }
+}
 
 // R rows of x (float32, row stride K) against one 16-column vector of a panel, `w` at its first step: the 16
 // sums of each row to out[r * NR, +16), starting from init[16]. Not inlined: compiled on its own, GCC keeps all 12
 // accumulators in registers, where inlined into the epilogue's caller it spilled some of them to the stack.
+// UNROLL steps a turn of the loop, and the fetch's count once a turn: a step of 5 rows is 10 FMAs among some 27
+// instructions, more than a Zen 3 core issues in the FMAs' 5 cycles, so the loop's own counting and the fetch's
+// check, once a step, held the 5-row tiles to ~80% of the 6-row tiles' rate a row. Engine decode steps at batch 16
+// (tiles 5, 5, 6), 2-core Zen 3, alternated with the loop a step a turn: float32 63.7 -> 52.9 ms (two steps a
+// turn: 56.8), bfloat16 41.7 -> 39.2; perf: the 5-row tiles' share 24.7% -> 19.3%, the 6-row tile's level.
 template <typename T, int R>
 __attribute__((noinline)) void vector_sums(const float* x, int64_t K, const T* w, int64_t steps, const float* init,
                                            float* out, tandem_simd::PacedFetch<_MM_HINT_T2>& paced) {
+  constexpr int64_t stride = NR * step_of_t<T>;
   tandem_simd::PacedFetch<_MM_HINT_T2> fetch = paced;  // in registers for the loop
   __m256 acc[R][2];
   const __m256 lo = _mm256_loadu_ps(init), hi = _mm256_loadu_ps(init + 8);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = lo, acc[r][1] = hi;
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t s = 0; s < steps; ++s, w += NR) {
-      fetch.step();
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * K + s);
-        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
-      }
-    }
-  } else {
-    for (int64_t s = 0; s < steps; ++s, w += NR * 2) {
-      fetch.step();
-      const __m256i* pairs = reinterpret_cast<const __m256i*>(w);
-      const float* xs = x + 2 * s;  // row r's pair at xs[r * K]
-      __m256 wv[2];
-      // The odd elements by a mask: at 6 rows GCC keeps the mask on the stack, a load a step, which ran faster than
-      // two shifts in its place (one core, 64 rows: 92% of the FMA rate against 87%).
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h)
-        wv[h] = tandem_simd::pairs_odd8(_mm256_loadu_si256(pairs + h));
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 xo = _mm256_broadcast_ss(xs + r * K + 1);
-        acc[r][0] = _mm256_fmadd_ps(wv[0], xo, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(wv[1], xo, acc[r][1]);
-      }
-      // The even half's broadcasts wait for the odd half's last FMA: GCC otherwise hoists them above the odd
-      // FMAs, runs out of registers and spills accumulators (6 rows: 66% of one core's FMA rate, 88% without).
-      asm("" : "+r"(xs) : "x"(acc[R - 1][1]));
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) wv[h] = tandem_simd::pairs_even8(_mm256_loadu_si256(pairs + h));
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 xe = _mm256_broadcast_ss(xs + r * K);
-        acc[r][0] = _mm256_fmadd_ps(wv[0], xe, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(wv[1], xe, acc[r][1]);
-      }
-    }
+  int64_t s = 0;
+  for (; s + UNROLL <= steps; s += UNROLL, w += UNROLL * stride) {
+    fetch.step(UNROLL);
+#pragma GCC unroll 4
+    for (int u = 0; u < UNROLL; ++u) vector_step<T, R>(x, K, s + u, w + u * stride, acc);
+  }
+  for (; s < steps; ++s, w += stride) {
+    fetch.step();
+    vector_step<T, R>(x, K, s, w, acc);
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {

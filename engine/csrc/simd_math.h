@@ -359,9 +359,9 @@ struct PacedFetch {
   int rate;
   int owed = 0;  // 1/256ths of a line
 
-  inline void step() {
+  inline void step(int ticks = 1) {
     if (!next) return;
-    for (owed += rate; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
+    for (owed += rate * ticks; owed >= 256; owed -= 256, next += 64) _mm_prefetch(next, Hint);
   }
 };
 

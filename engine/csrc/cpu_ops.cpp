@@ -695,7 +695,8 @@ inline void q_pairs_to_float(const T* q, int64_t n, float* out) {
 }
 
 // The task a thread runs next in decode attention: its keys [t0, t1) of K/V head rows `kc` / `vc`, through
-// `table`. Its rows are fetched into L2 during the current task's scores, a share per 16 keys.
+// `table`. On AVX-512 its rows are fetched into L2 during the current task's scores, a share per 16 keys (not on
+// AVX2: scores8).
 template <typename T>
 struct NextTask {
   const T* kc = nullptr;
@@ -848,10 +849,11 @@ bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA without AVX-512 (Zen 1-3, Intel's cores from Haswell to Alder Lake): attend_part on 8 lanes, in the
-// AVX-512 kernel's order (keys 8 at a time, exponentials 8 at a time, values into register accumulators) with the
-// same fetches ahead. bfloat16 rows are widened 16 values per load into the vectors of their even and of their odd
-// elements (a shift and a mask, where widening 8 in order costs a shuffle each): the scores read q in that order
-// (q_in_pair_order), the value sums are kept in it and put back in order as they are stored.
+// AVX-512 kernel's order (keys 8 at a time, exponentials 8 at a time, values into register accumulators) with its
+// fetches ahead of the keys and values, but not of the thread's next task (scores8 says why). bfloat16 rows are
+// widened 16 values per load into the vectors of their even and of their odd elements (a shift and a mask, where
+// widening 8 in order costs a shuffle each): the scores read q in that order (q_in_pair_order), the value sums are
+// kept in it and put back in order as they are stored.
 constexpr int64_t KEYS8 = 8;
 using tandem_simd::lanes_below;
 
@@ -913,20 +915,17 @@ inline void scores4(const float* qg, int64_t D, int64_t n, const T* const* rows,
   }
 }
 
-// scores16 on 8 lanes: the same fetches ahead per 8 keys, whose scores scores4 computes 4 keys by 3 heads at a time.
+// scores16 on 8 lanes, whose scores scores4 computes 4 keys by 3 heads at a time: the next 8 keys into L1 and the
+// value rows of these into L2 as each 8 go by, but not the thread's next task. That fetch (a share of its rows with
+// each group of keys) paid on Zen 4's AVX-512 kernel; on a 2-core Zen 3, where this kernel is the native one, the
+// attention of engine decode steps ran faster without it, alternated in one process: 16 sequences float32
+// 0.367 -> 0.302 ms a layer, bfloat16 0.197 -> 0.180, 64 sequences float32 1.175 -> 1.080.
 template <typename T>
 void scores8(const float* qf, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
-             int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
+             int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores) {
   const int64_t n = t1 - t0;
   const T* rows[KEYS8];
-  const int64_t groups = (n + KEYS8 - 1) / KEYS8, share = (next.t1 - next.t0 + groups - 1) / groups;
-  int64_t ahead = next.t0;
   for (int64_t t = t0; t < t1; t += KEYS8) {
-    for (const int64_t end = std::min(next.t1, ahead + share); ahead < end; ++ahead) {
-      const T* row = slot_row(next.kc, next.table, block_size, ahead, D);
-      prefetch_row<_MM_HINT_T1>(row, D);
-      prefetch_row<_MM_HINT_T1>(next.vc + (row - next.kc), D);
-    }
     const int cnt = static_cast<int>(std::min<int64_t>(KEYS8, t1 - t));
     for (int j = 0; j < KEYS8; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
     for (int64_t j = t + KEYS8; j < std::min(t + 2 * KEYS8, t1); ++j)
@@ -1011,10 +1010,10 @@ void values8(const float* scores, int64_t G, int64_t D, const T* vc, const int32
 template <typename T>
 bool attend_part_vec(const float* qf, const T*, int64_t G, int64_t D, const T* kc, const T* vc,
                      const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores,
-                     float* m, float* l, float* acc, const NextTask<T>& next) {
+                     float* m, float* l, float* acc, const NextTask<T>&) {
   if (!vector_head(D)) return false;
   const int64_t n = t1 - t0;  // > 0 (attend_range)
-  scores8<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
+  scores8<T>(qf, G, D, kc, vc, table, block_size, t0, t1, scale, scores);
   const __m256i tail = lanes_below(n % 8);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;

@@ -328,8 +328,8 @@ __attribute__((always_inline)) inline void vector_step(const float* x, int64_t K
     const __m256i* pairs = reinterpret_cast<const __m256i*>(w);
     const float* xs = x + 2 * s;  // row r's pair at xs[r * K]
     __m256 wv[2];
-    // The odd elements by a mask: at 6 rows GCC keeps the mask on the stack, a load a step, which ran faster than
-    // two shifts in its place (one core, 64 rows: 92% of the FMA rate against 87%).
+    // The odd elements by a mask, which ran faster than two shifts in its place (one core, 64 rows: 92% of the FMA
+    // rate against 87%).
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) wv[h] = tandem_simd::pairs_odd8(_mm256_loadu_si256(pairs + h));
 #pragma GCC unroll 6
@@ -372,7 +372,7 @@ __attribute__((noinline)) void vector_sums(const float* x, int64_t K, const T* w
   int64_t s = 0;
   for (; s + UNROLL <= steps; s += UNROLL, w += UNROLL * stride) {
     fetch.step(UNROLL);
-#pragma GCC unroll 4
+#pragma GCC unroll UNROLL
     for (int u = 0; u < UNROLL; ++u) vector_step<T, R>(x, K, s + u, w + u * stride, acc);
   }
   for (; s < steps; ++s, w += stride) {

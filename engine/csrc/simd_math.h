@@ -351,8 +351,9 @@ inline void store8(bf16_t* y, __m256 v, int64_t n = 8) {
 namespace tandem_simd {
 
 // A fetch of what a kernel reads next, spread evenly over its loop: `rate` / 256 cache lines per step (step(n):
-// n steps' worth at once), the fraction carried over (null `next`: nothing). A whole number of lines per step, rounded up, sent the lines in
-// bursts and finished early (packed_linear's dot-product kernel: 8.1 -> 7.0 ms per pass at 16 rows on Zen 5).
+// n steps' worth at once), the fraction carried over (null `next`: nothing). A whole number of lines per step,
+// rounded up, sent the lines in bursts and finished early (packed_linear's dot-product kernel: 8.1 -> 7.0 ms per
+// pass at 16 rows on Zen 5).
 template <auto Hint>
 struct PacedFetch {
   const char* next;

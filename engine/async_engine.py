@@ -11,13 +11,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.engine import Engine
+from engine.engine import LOAD_POLL_S, Engine
 from engine.errors import EngineDeadError
 from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineLoad
-
-LOAD_POLL_S = 0.001
 
 
 @dataclass(slots=True)

@@ -37,6 +37,8 @@ from engine.structured.compiler import GrammarCompiler, GrammarState
 
 log = logging.getLogger("tandem.engine")
 
+LOAD_POLL_S = 0.001  # how long a loop whose requests all wait for KV loads sleeps between polls
+
 
 class Engine:
     """Runs continuous batching over one model; not thread-safe (see ``AsyncEngine``)."""
@@ -138,6 +140,16 @@ class Engine:
         """Every unfinished request waits for its KV to arrive: a step now would compute nothing."""
         s = self.scheduler
         return bool(s.loading) and not s.running and not s.waiting
+
+    def pause_while_loading(self) -> None:
+        """Sleep one poll interval when a step now would compute nothing but wait for KV loads.
+
+        A caller stepping in a tight loop holds the GIL that the connector's threads need to finish those
+        loads: four pulls of a few blocks each took 5-9 s so (0.2 s with a pause), long enough on a slow
+        host for the store's lease on the blocks to end mid-pull. ``generate`` and the async loop pause.
+        """
+        if self.only_loading():
+            time.sleep(LOAD_POLL_S)
 
     def add_request(
         self,
@@ -514,6 +526,7 @@ class Engine:
         ids = [self.add_request(p, sp, None, o) for p, sp, o in zip(prompts, per, opts, strict=True)]
         results: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished():
+            self.pause_while_loading()
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)

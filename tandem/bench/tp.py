@@ -99,7 +99,6 @@ def store_pull(config, n: int) -> dict:
     import asyncio
 
     from engine import Engine, RequestOptions, SamplingParams
-    from engine.async_engine import LOAD_POLL_S
     from engine.kv_blocks import wire_block_bytes
     from kvstore.connector import KVStoreConnector
     from tandem.bench.kv import _spawn
@@ -125,8 +124,7 @@ def store_pull(config, n: int) -> dict:
             rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), options=options)
             times = None
             while engine.has_unfinished():
-                if engine.only_loading():  # as a worker's engine loop waits for loads: not spinning on the GIL
-                    time.sleep(LOAD_POLL_S)
+                engine.pause_while_loading()  # as a worker's engine loop waits for loads: not spinning on the GIL
                 times = next((o.times for o in engine.step() if o.request_id == rid and o.times), times)
             loads.append((times.kv_load if times else float("nan"), before))
         seconds, before = loads[-1]

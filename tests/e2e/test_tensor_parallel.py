@@ -208,8 +208,9 @@ def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4
                 rid = f"{tag}{i}"
                 outs[consumer.add_request(p, params, rid, handed(p, firsts[rid]))] = [firsts[rid]]
             while consumer.has_unfinished():
-                if consumer.connector.num_pending_loads:  # a pull task only weakly held is collected mid-pull
-                    gc.collect()
+                if consumer.only_loading():  # wait as the engine's loop does, not spinning on the GIL
+                    gc.collect()  # a pull task only weakly held would be collected mid-pull
+                    time.sleep(0.01)
                 for out in consumer.step():
                     outs[out.request_id] += out.new_token_ids
             assert list(outs.values()) == tiny4_reference, f"consumer at TP={tp}"

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -602,6 +605,61 @@ def test_write_kv_matches_torch(ops):
     assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv_(a, k, v, torch.tensor([0, 1, 2, 3, 16]))
+
+
+def _long_call(ops, kernel: str):
+    """A call of ``kernel`` of several milliseconds here (a few on a 16-core host), or None where this build does
+    not serve it."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(128, 2048, generator=g), torch.randn(4096, 2048, generator=g)
+    if kernel == "linear":
+        return lambda: ops.linear(x, w, None)
+    if kernel == "packed_linear":
+        if not ops.packed_linear_supported(w):
+            return None
+        packed = ops.pack_linear_weight(w)
+        return lambda: ops.packed_linear(x, packed, 4096, None)
+    if kernel == "prefill_attention":
+        q, k, v = (torch.randn(1024, h, 64, generator=g) for h in (9, 3, 3))
+        return (lambda: ops.prefill_attention(q, k, v, 0.125)) if ops.prefill_attention_supported(q) else None
+    cache, q, spans = _paged_case(torch.float32, [1500] * 64, 9, 3, 64, block_size=16)
+    group = build_metadata(spans, 16, torch.device("cpu"), group_by_len=False).decodes[0]
+    return lambda: ops.paged_decode_attention(q, cache, group.block_table, group.context_lens, 16, 0.125)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "packed_linear", "prefill_attention", "paged_decode_attention"])
+def test_matmuls_and_attention_let_other_threads_run(ops, kernel):
+    """A worker's gRPC loop and KV connector share the process with the engine's thread: while a matmul or an
+    attention call runs, they get the GIL. With a switch interval longer than the test, a thread waiting for the GIL
+    never asks its holder to let go; a call that kept the GIL would let the other thread tick at most once, as its
+    output is handed back, where one that lets go lets it tick all through."""
+    call = _long_call(ops, kernel)
+    if call is None:
+        pytest.skip(f"this build has no {kernel} for float32 here")
+    ticks: list[int] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.0001)  # lets go of the GIL, so the caller gets it back after each call
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.01)
+        before, start, calls = len(ticks), time.perf_counter(), 0
+        while time.perf_counter() - start < 0.2:
+            call()
+            calls += 1
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        ticker.join()
+        sys.setswitchinterval(interval)
+    assert during > 3 * calls, f"{kernel}: {during} ticks over {calls} calls (it held the GIL while it ran)"
 
 
 def test_bad_input_is_an_error_not_a_crash(ops):

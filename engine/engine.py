@@ -146,7 +146,8 @@ class Engine:
 
         A caller stepping in a tight loop holds the GIL that the connector's threads need to finish those
         loads: four pulls of a few blocks each took 5-9 s so (0.2 s with a pause), long enough on a slow
-        host for the store's lease on the blocks to end mid-pull. ``generate`` and the async loop pause.
+        host for the store's lease on the blocks to end mid-pull. ``generate`` calls it; the async loop waits on its
+        inbox as long instead.
         """
         if self.only_loading():
             time.sleep(LOAD_POLL_S)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -256,6 +258,43 @@ def test_a_load_whose_request_ends_gives_its_staging_rows_back(node, tiny_llama)
     finally:
         producer.connector.close()
         consumer.connector.close()
+
+
+def test_the_connector_holds_what_it_runs_until_it_is_done(node, tiny_llama, tmp_path):
+    """An event loop keeps its tasks only weakly, and a task awaiting a Unix-socket answer (its reader only
+    weakly held by its protocol) is a garbage cycle: a collection mid-await destroyed a pull waiting on a rank's
+    agent, a failed load. Started as ``start_load`` starts a pull, nobody else holding it, such a task must
+    still finish after collections while it waits."""
+    cfg = EngineConfig(str(tiny_llama), num_kv_blocks=8)
+    connector = KVStoreConnector(node.grpc, cfg)
+    path = str(tmp_path / "agent.sock")
+    answers: list[bytes] = []
+
+    async def ask() -> None:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(b"ping\n")
+        await writer.drain()
+        answers.append(await reader.readline())
+        writer.close()
+
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(path)
+            server.listen()
+            connector._call(ask())  # its future dropped at once, as start_load drops it
+            conn, _ = server.accept()
+            with conn:
+                assert conn.makefile("rb").readline() == b"ping\n"  # the task now waits for the answer
+                time.sleep(0.05)
+                for _ in range(3):
+                    gc.collect()
+                conn.sendall(b"pong\n")
+                deadline = time.monotonic() + 10
+                while not answers and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        assert answers == [b"pong\n"]
+    finally:
+        connector.close()
 
 
 def test_eviction_is_lru_and_capacity_is_never_exceeded(node):

@@ -659,7 +659,7 @@ def test_matmuls_and_attention_let_other_threads_run(ops, kernel):
         stop.set()
         ticker.join()
         sys.setswitchinterval(interval)
-    assert during > 3 * calls, f"{kernel}: {during} ticks over {calls} calls (it held the GIL while it ran)"
+    assert during > 2 * calls, f"{kernel}: {during} ticks over {calls} calls (it held the GIL while it ran)"
 
 
 def test_bad_input_is_an_error_not_a_crash(ops):

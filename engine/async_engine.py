@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.engine import LOAD_POLL_S, Engine
+from engine.engine import Engine
 from engine.errors import EngineDeadError
 from engine.request import RequestHandedBack, RequestOptions, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -112,9 +112,7 @@ class AsyncEngine:
             block = not self.engine.has_unfinished()
             if block:  # idle now: show it before waiting (a busy loop publishes once a step, below)
                 self.load = self.engine.load_snapshot()
-            # Requests waiting only for KV loads: poll the loads without spinning the CPU.
-            timeout = LOAD_POLL_S if self.engine.only_loading() else None
-            if not self._drain_inbox(block or timeout is not None, timeout):
+            if not self._drain_inbox(block):  # requests waiting only for KV loads: the step waits for them
                 return
             self.load = self.engine.load_snapshot()  # with what the inbox added or aborted: admission reads it
             if not self.engine.has_unfinished():
@@ -136,10 +134,10 @@ class AsyncEngine:
             sink, loop = self._sinks.pop(request_id)
             _send(sink, loop, exc)
 
-    def _drain_inbox(self, block: bool, timeout: float | None = None) -> bool:
+    def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
         try:
-            item = self._inbox.get(block=block, timeout=timeout)
+            item = self._inbox.get(block=block)
         except queue.Empty:
             return True
         while True:

@@ -37,7 +37,11 @@ from engine.structured.compiler import GrammarCompiler, GrammarState
 
 log = logging.getLogger("tandem.engine")
 
-LOAD_POLL_S = 0.001  # how long a loop whose requests all wait for KV loads sleeps between polls
+# How long a step with nothing to compute but KV loads in flight sleeps before it returns. Without it a caller
+# stepping in a loop (the async loop, generate, a test) held the GIL that the connector's threads need to finish
+# those loads: four pulls of a few blocks took 5-9 s so, 0.2 s with the pause (long enough on a slow host for the
+# store's lease on the blocks to end mid-pull).
+LOAD_POLL_S = 0.001
 
 
 class Engine:
@@ -140,17 +144,6 @@ class Engine:
         """Every unfinished request waits for its KV to arrive: a step now would compute nothing."""
         s = self.scheduler
         return bool(s.loading) and not s.running and not s.waiting
-
-    def pause_while_loading(self) -> None:
-        """Sleep one poll interval when a step now would compute nothing but wait for KV loads.
-
-        A caller stepping in a tight loop holds the GIL that the connector's threads need to finish those
-        loads: four pulls of a few blocks each took 5-9 s so (0.2 s with a pause), long enough on a slow
-        host for the store's lease on the blocks to end mid-pull. ``generate`` calls it; the async loop waits on its
-        inbox as long instead.
-        """
-        if self.only_loading():
-            time.sleep(LOAD_POLL_S)
 
     def add_request(
         self,
@@ -270,6 +263,8 @@ class Engine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not sched:
             self.stats.last_step_overhead_s = time.perf_counter() - t0
+            if self.only_loading():  # nothing to compute until a KV load lands: wait a poll interval (LOAD_POLL_S)
+                time.sleep(LOAD_POLL_S)
             return []
         if self.spec is not None:
             self.spec.expand(sched, self.kv, self.config.max_num_batched_tokens, self.config.max_model_len)
@@ -527,7 +522,6 @@ class Engine:
         ids = [self.add_request(p, sp, None, o) for p, sp, o in zip(prompts, per, opts, strict=True)]
         results: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished():
-            self.pause_while_loading()
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)

@@ -124,7 +124,6 @@ def store_pull(config, n: int) -> dict:
             rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), options=options)
             times = None
             while engine.has_unfinished():
-                engine.pause_while_loading()  # as a worker's engine loop waits for loads: not spinning on the GIL
                 times = next((o.times for o in engine.step() if o.request_id == rid and o.times), times)
             loads.append((times.kv_load if times else float("nan"), before))
         seconds, before = loads[-1]

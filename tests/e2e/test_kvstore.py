@@ -200,7 +200,6 @@ def test_engine_blocks_move_between_engines_through_the_store(node, tiny_llama):
             consumer.add_request(p, sp, f"r{i}", options)
             outs[f"r{i}"] = [firsts[f"r{i}"]]
         while consumer.has_unfinished():
-            consumer.pause_while_loading()
             for out in consumer.step():
                 outs[out.request_id] += out.new_token_ids
         assert [outs[f"r{i}"] for i in range(4)] == reference

@@ -211,9 +211,9 @@ def test_each_rank_pushes_and_pulls_its_own_heads_through_the_store(tiny4, tiny4
                 if consumer.only_loading():
                     start = time.perf_counter()
                     gc.collect()  # a pull task only weakly held could be collected mid-pull (test_kvstore checks that)
-                    # Then wait, as the engine's loop does: spinning here held the GIL the connector's threads need
-                    # (pulls of 5-9 s, past their leases on a slow host); they get two thirds of the time whatever a
-                    # collection costs in this process.
+                    # Then wait: collecting on every step held the GIL the connector's threads need (pulls of 5-9 s,
+                    # past their leases on a slow host); they get two thirds of the time whatever a collection costs
+                    # in this process.
                     time.sleep(max(0.01, 2 * (time.perf_counter() - start)))
                 for out in consumer.step():
                     outs[out.request_id] += out.new_token_ids

@@ -76,7 +76,6 @@ def decode(
         consumer.add_request(p, sp, rid, RequestOptions(output_token_ids=[token], num_external_tokens=len(p)))
         outs[rid] = [token]
     while consumer.has_unfinished():
-        consumer.pause_while_loading()
         for out in consumer.step():
             outs[out.request_id] += out.new_token_ids
     return [outs[rid] for rid in ids]

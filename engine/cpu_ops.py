@@ -26,11 +26,13 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
+# bindings.cpp first: the one file that includes <torch/extension.h>, so the longest compile starts first.
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp", "prefill_attention.cpp",
-                        "decode_stack.cpp")]
+           for name in ("bindings.cpp", "cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp",
+                        "prefill_attention.cpp")]
 # Not compiled on their own; part of the build's key.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.h", "simd_math.h", "amx_tiles.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_ops.h", "decode_stack.h", "simd_math.h", "amx_tiles.h")]
 MARCH = os.environ.get("TANDEM_CPU_MARCH") or "native"  # the instruction set the kernels are built for
 # -fno-math-errno lets loops that call exp vectorise (glibc's vector expf); no reassociation is allowed
 # beyond the reductions marked `omp simd`, and no FMA contraction, so element-wise results round like

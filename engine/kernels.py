@@ -260,7 +260,7 @@ class CpuKernels(TorchKernels):
 
     def decode_stack(self, layers: list[Any], final_norm: torch.Tensor, eps: float, num_heads: int,
                      num_kv_heads: int, head_dim: int) -> Any | None:
-        """``cpu_ops.DecodeStack`` (decode_stack.cpp says what it saves) where every matrix is packed; None where
+        """``cpu_ops.DecodeStack`` (decode_stack.h says what it saves) where every matrix is packed; None where
         one is not (quantized, or a dtype without a packed kernel here)."""
         mats = [getattr(layer, name) for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")]
         if not layers or not all(isinstance(w, PackedWeight) for w in mats) \

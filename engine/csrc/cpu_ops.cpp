@@ -15,9 +15,10 @@
 // (RMSNorm's normalised value before the weight, SiLU before the product, each RoPE product),
 // so that bfloat16 results stay within rounding of the reference; accumulation is float32.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -54,23 +55,23 @@ using tandem_simd::to_float;
 using tandem_simd::round_to;
 
 template <typename T>
-inline const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+inline const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 template <typename T>
-inline T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+inline T* mut_ptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 // Calls fn.template operator()<T>() with T = float or bf16_t for the tensor's dtype.
 template <typename Fn>
-void dispatch(const torch::Tensor& t, const char* op, Fn&& fn) {
-  if (t.scalar_type() == torch::kFloat) {
+void dispatch(const at::Tensor& t, const char* op, Fn&& fn) {
+  if (t.scalar_type() == at::kFloat) {
     fn(float{});
-  } else if (t.scalar_type() == torch::kBFloat16) {
+  } else if (t.scalar_type() == at::kBFloat16) {
     fn(bf16_t{});
   } else {
     TORCH_CHECK(false, op, ": float32 or bfloat16 tensors only, got ", t.scalar_type());
   }
 }
 
-void check_cpu(const torch::Tensor& t, const char* what) {
+void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
 }
 
@@ -287,16 +288,16 @@ XRows prepare_x(const W* x, int64_t M, int64_t K, bool pairs) {
 // Each weight row is read once per MAX_TILE rows of x, so this is the kernel for decode's few
 // rows; a large M is better served by a GEMM, except with bfloat16 weights on CPUs without
 // bfloat16 dot products, where oneDNN's bf16 GEMM runs at a fraction of its float32 speed.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: shape mismatch");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x and weight dtypes differ");
   TORCH_CHECK(weight.is_contiguous(), "linear: weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   auto xc = x.contiguous();
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias must have one value per output");
     b = bias->to(x.scalar_type()).contiguous();
@@ -382,15 +383,15 @@ void norm_rows(T* x, const T* delta, const T* w, float eps, int64_t rows, int64_
   });
 }
 
-torch::Tensor norm(torch::Tensor& x, const torch::Tensor* delta, const torch::Tensor& weight, double eps, const char* op) {
+at::Tensor norm(at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps, const char* op) {
   check_cpu(x, op);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), op, ": x [T, H] contiguous, weight [H]");
-  torch::Tensor d;
+  at::Tensor d;
   if (delta) {
     TORCH_CHECK(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(), op, ": delta must match x");
     d = delta->contiguous();
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   auto w = weight.to(x.scalar_type()).contiguous();
   dispatch(x, op, [&](auto tag) {
     using T = decltype(tag);
@@ -404,13 +405,13 @@ torch::Tensor norm(torch::Tensor& x, const torch::Tensor* delta, const torch::Te
 
 // RMSNorm of x [T, H] (contiguous): float32 statistics, the normalised value rounded to the
 // dtype before the weight multiplies it (Hugging Face's LlamaRMSNorm). x is not written.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  torch::Tensor view = x;  // norm() writes x only when given a delta
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor view = x;  // norm() writes x only when given a delta
   return norm(view, nullptr, weight, eps, "rms_norm");
 }
 
 // residual += delta (rounded to the dtype, as an eager add is), then RMSNorm of the new residual.
-torch::Tensor add_rms_norm_(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
   return norm(residual, &delta, weight, eps, "add_rms_norm_");
 }
 
@@ -487,12 +488,12 @@ int64_t rope_vec(T*, const T*, const T*, int64_t) { return 0; }
 }  // namespace
 
 // gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], SiLU rounded to the dtype first.
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up [T, 2I]");
   auto gu = gate_up.contiguous();
   const int64_t T_ = gu.size(0), I = gu.size(1) / 2;
-  auto out = torch::empty({T_, I}, gu.options());
+  auto out = at::empty({T_, I}, gu.options());
   dispatch(gu, "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     const T* src = ptr<T>(gu);
@@ -540,13 +541,13 @@ void rope_row(T* row, const T* c, const T* s, int64_t num_heads, int64_t head_di
 
 // In place: rotate-half RoPE on the first `num_heads` heads (of `head_dim`) of every row of
 // qkv [T, W] (rows may be strided), at positions [T], from cos/sin tables [max_len, head_dim].
-void rope_(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads, int64_t head_dim) {
   check_cpu(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= num_heads * head_dim, "rope_: qkv [T, W]");
   TORCH_CHECK(head_dim % 2 == 0 && cos.size(1) == head_dim && sin.size(1) == head_dim, "rope_: tables [L, head_dim]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type(), "rope_: tables");
-  auto pos = positions.to(torch::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   const int64_t T_ = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2, max_len = cos.size(0);
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_len, "rope_: position out of range");
@@ -584,7 +585,7 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tens
 
 // The cache of one layer is [2, Hkv, slots, D]. Writes k and v [T, Hkv, D] (rows may be strided,
 // heads contiguous) into slots [T].
-void write_kv_(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots) {
+void write_kv_(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
   check_cpu(cache, "cache");
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "write_kv_: cache [2, Hkv, S, D]");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == cache.size(1) && k.size(2) == cache.size(3),
@@ -592,7 +593,7 @@ void write_kv_(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "write_kv_: k/v heads must be contiguous");
   TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(), "write_kv_: dtype");
-  auto sl = slots.to(torch::kLong).contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
   const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2), S = cache.size(2);
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "write_kv_: slot out of range");
@@ -1071,14 +1072,14 @@ constexpr int64_t PART_KEYS = 256;
 
 // One query token per sequence: q [B, Hq, D] (rows may be strided), cache [2, Hkv, slots, D],
 // block_table [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq * D].
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_table,
-                                     const torch::Tensor& context_lens, int64_t block_size, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, int64_t block_size, double scale) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode_attention: q [B, Hq, D]");
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous() && cache.size(3) == q.size(2),
               "paged_decode_attention: cache [2, Hkv, slots, D]");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged_decode_attention: q and cache dtypes differ");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt && context_lens.scalar_type() == torch::kInt,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "paged_decode_attention: int32 block_table and context_lens");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = cache.size(1), S = cache.size(2);
   TORCH_CHECK(Hq % Hkv == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
@@ -1094,7 +1095,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       TORCH_CHECK(tp[b * max_blocks + i] >= 0 && (tp[b * max_blocks + i] + 1) * block_size <= S,
                   "paged_decode_attention: block id out of range");
   }
-  auto out = torch::empty({B, Hq * D}, q.options());
+  auto out = at::empty({B, Hq * D}, q.options());
   dispatch(q, "paged_decode_attention", [&](auto tag) {
     using T = decltype(tag);
     const T* qp = ptr<T>(q);
@@ -1180,7 +1181,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // 4 KiB pages against 11.5-11.6 on 2 MiB pages, decode attention over 30 layers' caches 2.9 against 2.4-2.6.
 // Fresh pages from mmap, never from the heap: memory the heap hands back may already be faulted in as 4 KiB pages,
 // which the advice does not turn into huge ones.
-torch::Tensor huge_page_buffer(int64_t nbytes) {
+at::Tensor huge_page_buffer(int64_t nbytes) {
   constexpr size_t PAGE = size_t(2) << 20;
   TORCH_CHECK(nbytes >= 0, "huge_page_buffer: a negative size");
   const size_t size = std::max(PAGE, (static_cast<size_t>(nbytes) + PAGE - 1) / PAGE * PAGE);
@@ -1193,61 +1194,12 @@ torch::Tensor huge_page_buffer(int64_t nbytes) {
   if (head) munmap(raw, head);
   if (span - head - size) munmap(start + size, span - head - size);
   madvise(start, size, MADV_HUGEPAGE);  // advice only: without huge pages it is plain memory
-  return torch::from_blob(start, {static_cast<int64_t>(size)}, [size](void* p) { munmap(p, size); }, torch::kUInt8);
+  return at::from_blob(start, {static_cast<int64_t>(size)}, [size](void* p) { munmap(p, size); }, at::kByte);
 #else
   void* p = nullptr;
   TORCH_CHECK(posix_memalign(&p, PAGE, size) == 0, "huge_page_buffer: out of memory");
-  return torch::from_blob(p, {static_cast<int64_t>(size)}, [](void* q) { std::free(q); }, torch::kUInt8);
+  return at::from_blob(p, {static_cast<int64_t>(size)}, [](void* q) { std::free(q); }, at::kByte);
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
-  m.attr("NATIVE_BF16") = true;
-#else
-  m.attr("NATIVE_BF16") = false;
-#endif
-  m.attr("DOT_BF16") = HAVE_DPBF16;
-  // The widest vectors the kernels were compiled for (TANDEM_CPU_MARCH may name an older CPU than this one).
-#if defined(__AVX512F__)
-  m.attr("SIMD") = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  m.attr("SIMD") = "avx2";
-#else
-  m.attr("SIMD") = "portable";
-#endif
-  // The matmuls and attention let go of the GIL while they run (as torch's own ops do): a worker's gRPC loop and its
-  // KV connector's threads share the process with the engine's thread, and while a kernel held the GIL they waited
-  // for it to return, a 1,024-token prefill's asyncio loop up to 11-12 ms at a time (0.3-4 ms after; a 2-core Zen 4).
-  // The element-wise ops (norms, RoPE, the cache writes, argmax) take microseconds and keep it. DecodeStack.forward
-  // lets go of it for the whole step.
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("linear", &linear, "x W^T (+ b), float32 accumulation, each weight row read once per 4 rows of x", no_gil);
-  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H]");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta, then RMSNorm of the residual");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection");
-  m.def("rope_", &rope_, "rotate-half RoPE in place on the leading heads of each row");
-  m.def("write_kv_", &write_kv_, "k/v of new tokens into their cache slots");
-  m.attr("QUANT_INT_DOT") = qlinear_int_dot();
-  m.attr("QUANT_AMX") = qlinear_amx();
-  m.def("qlinear", &qlinear, "x W^T (+ b) for block-quantized W: int8 x per 32-block, or bfloat16 tiles (AMX)",
-        no_gil);
-  m.def("packed_linear_supported", &packed_linear_supported, "whether this CPU has a packed kernel for the dtype");
-  m.def("pack_linear_weight", &pack_linear_weight, "an [N, K] weight as the column panels of packed_linear");
-  m.def("packed_linear", &packed_linear, "x W^T (+ b) on a packed weight, register-blocked, no reductions", no_gil,
-        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias") = py::none(), py::arg("next") = py::none(),
-        py::arg("next_N") = 0, py::arg("float_out") = false);
-  m.def("packed_linear_silu", &packed_linear_silu, "silu(x G^T) * (x U^T) on a gate_up weight in half-panels", no_gil,
-        py::arg("x"), py::arg("packed"), py::arg("I"), py::arg("next") = py::none(), py::arg("next_N") = 0);
-  m.def("prefill_attention_supported", &prefill_attention_supported, "whether prefill_attention serves q's dtype and D");
-  m.def("prefill_attention", &prefill_attention, "causal GQA attention of the last L of C positions, packed panels",
-        no_gil);
-  m.def("packed_silu_half_panel", &packed_silu_half_panel, "columns of G (then of U) per panel of packed_linear_silu");
-  m.def("set_widened_bf16", &set_widened_bf16, "packed_linear's bfloat16 widened to float32 FMAs (as without AVX512_BF16) or not");
-  m.def("set_amx", &set_amx, "packed_linear, prefill_attention (bfloat16) and qlinear on the AMX tiles (default) or not");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 rows, vectorised");
-  m.def("huge_page_buffer", &huge_page_buffer, "uninitialised bytes on 2 MiB-aligned memory advised for huge pages");
-  m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged K/V read in place",
-        no_gil);
-  bind_decode_stack(m);
-}
+bool has_dot_bf16() { return HAVE_DPBF16; }

@@ -20,11 +20,11 @@
 // AVX512_BF16, bfloat16 pairs are widened in registers to float32 FMAs (widened_step). On CPUs with AVX2 and
 // FMA but no AVX-512, an 8-lane micro-kernel reads the same panels (vector_sums, panel_sums, panels8).
 
-#include <torch/extension.h>
-
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -55,7 +55,7 @@ constexpr int MR = 4;         // rows of x per micro-tile
 // in L2 while these rows go by, and is read from memory once.
 constexpr int64_t M_BLOCK = 256;
 
-int64_t step_of(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16 ? 2 : 1; }
+int64_t step_of(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 2 : 1; }
 template <typename T>
 constexpr int64_t step_of_t = std::is_same_v<T, float> ? 1 : 2;
 
@@ -502,7 +502,7 @@ void pack(const T* w, int64_t N, int64_t K, int64_t S, T* out) {
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Thread `tid` of `threads`' first panel in a call on `next` (rows of x in one block of M_BLOCK, as decode has).
-Tail tail_of(const c10::optional<torch::Tensor>& next, int64_t next_N, int64_t tid, int64_t threads) {
+Tail tail_of(const c10::optional<at::Tensor>& next, int64_t next_N, int64_t tid, int64_t threads) {
   if (!next.has_value() || !next->defined() || next_N <= 0 || !next->is_contiguous()) return {};
   const int64_t num_panels = (next_N + NR - 1) / NR, chunk = (num_panels + threads - 1) / threads;
   if (tid * chunk >= num_panels) return {};
@@ -513,19 +513,19 @@ Tail tail_of(const c10::optional<torch::Tensor>& next, int64_t next_N, int64_t t
 
 }  // namespace
 
-bool packed_linear_supported(const torch::Tensor& weight) {
-  return PACKED && (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16);
+bool packed_linear_supported(const at::Tensor& weight) {
+  return PACKED && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
 }
 
 // weight [N, K] -> its panels, flat; the same dtype.
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_linear_weight: a 2-D CPU weight");
   TORCH_CHECK(packed_linear_supported(weight), "pack_linear_weight: this CPU has no packed kernel for ",
               weight.scalar_type());
   const int64_t N = weight.size(0), K = weight.size(1), S = step_of(weight);
   const int64_t steps = (K + S - 1) / S, num_panels = (N + NR - 1) / NR;
   auto w = weight.contiguous();
-  auto out = torch::empty({num_panels * steps * NR * S}, weight.options());
+  auto out = at::empty({num_panels * steps * NR * S}, weight.options());
   if (S == 2)
     pack(reinterpret_cast<const bf16_t*>(w.data_ptr()), N, K, S, reinterpret_cast<bf16_t*>(out.data_ptr()));
   else
@@ -537,9 +537,9 @@ namespace {
 
 // The work of packed_linear and packed_linear_silu: x [M, K] against `num_panels` packed panels -> [M, N] outputs.
 template <Out O>
-torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                         int64_t num_panels, const c10::optional<torch::Tensor>& bias,
-                         const c10::optional<torch::Tensor>& next, int64_t next_N, bool float_out) {
+at::Tensor run_packed(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      int64_t num_panels, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& next, int64_t next_N, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), op, ": x and weight dtypes differ");
   TORCH_CHECK(packed_linear_supported(packed), op, ": no packed kernel here for ", packed.scalar_type());
@@ -548,17 +548,17 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
   int64_t K = x.size(1);
   const int64_t steps = (K + S - 1) / S;
   TORCH_CHECK(packed.numel() == num_panels * steps * NR * S, op, ": the packed weight is not [", N, ", ", K, "]");
-  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat : x.scalar_type()));
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   auto xc = x.contiguous();
   if (K % S) {  // an odd K: x gets the zero column the panels were padded with
-    xc = torch::constant_pad_nd(xc, {0, 1});
+    xc = at::constant_pad_nd(xc, {0, 1});
     K += 1;
   }
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, op, ": bias must have one value per output");
-    b = bias->to(torch::kFloat).contiguous();
+    b = bias->to(at::kFloat).contiguous();
   }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -575,7 +575,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
     // Without AVX512_BF16 (or with set_widened_bf16), bfloat16 rows of x widened once per call, for widened_step
     // to broadcast from memory.
     const bool widen = std::is_same_v<T, bf16_t> && (!DOT_PRODUCTS_BF16 || widened_bf16);
-    const torch::Tensor xw = widen ? xc.to(torch::kFloat) : torch::Tensor();
+    const at::Tensor xw = widen ? xc.to(at::kFloat) : at::Tensor();
     // Work items are (row block, panel) pairs, panel-major within a row block, so each thread streams
     // its own run of panels from memory.
     at::parallel_for(0, m_blocks * num_panels, 1, [&](int64_t i0, int64_t i1) {
@@ -605,7 +605,7 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
   auto run = [&](auto tag, auto out_tag) {
     using T = decltype(tag);
     using Y = decltype(out_tag);
-    const torch::Tensor xf = xc.to(torch::kFloat);  // bfloat16 rows widened once per call
+    const at::Tensor xf = xc.to(at::kFloat);  // bfloat16 rows widened once per call
     const float* xp = xf.data_ptr<float>();
     const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
     Y* yp = reinterpret_cast<Y*>(y.data_ptr());
@@ -642,9 +642,9 @@ torch::Tensor run_packed(const char* op, const torch::Tensor& x, const torch::Te
 // `next`: the packed weight of the layer that runs next (its [N', K'] has next_N rows). Each thread starts a
 // call on a cold first panel, with nothing to overlap its fetch with; here it fetches that panel of the next
 // call while it computes its last one (at::parallel_for gives thread t the t-th equal run of panels).
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& next,
-                            int64_t next_N, bool float_out) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& next,
+                         int64_t next_N, bool float_out) {
   return run_packed<Out::Plain>("packed_linear", x, packed, N, (N + NR - 1) / NR, bias, next, next_N, float_out);
 }
 
@@ -652,8 +652,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // NR / 2 columns of G and then the same columns of U (zero rows past I): the MLP's activation done on the
 // accumulators, without writing the [M, 2I] projection and reading it back. Same bits as packed_linear then
 // silu_mul.
-torch::Tensor packed_linear_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t I,
-                                 const c10::optional<torch::Tensor>& next, int64_t next_N) {
+at::Tensor packed_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t I,
+                              const c10::optional<at::Tensor>& next, int64_t next_N) {
   return run_packed<Out::SiluMul>("packed_linear_silu", x, packed, I, (I + NR / 2 - 1) / (NR / 2), c10::nullopt,
                                   next, next_N, false);
 }

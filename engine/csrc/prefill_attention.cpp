@@ -16,11 +16,10 @@
 // Layouts: q [L, Hq, D], k and v [C, Hkv, D] (rows and heads may be strided, elements contiguous);
 // out [L, Hq * D]. Query i sees keys j <= C - L + i.
 
-#include <torch/extension.h>
-
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -412,17 +411,17 @@ void attend_block(const T* q, int64_t q_row, int64_t D, int64_t G, int64_t h, in
 
 }  // namespace
 
-bool prefill_attention_supported(const torch::Tensor& q) {
+bool prefill_attention_supported(const at::Tensor& q) {
 #if defined(TANDEM_PREFILL_KERNEL)
   const int64_t D = q.size(-1);
   const bool shape = D == 16 || D == 32 || D == 64 || D == 96 || D == 128;  // the cases of pv_rows
-  if (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) return shape;
+  if (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) return shape;
 #endif
   return false;
 }
 
 // q [L, Hq, D], k/v [C, Hkv, D] (C >= L; the queries are the last L positions) -> [L, Hq * D].
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q [L, Hq, D], k/v [C, Hkv, D]");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && k.size(0) >= q.size(0),
@@ -434,7 +433,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
   for (const auto* t : {&q, &k, &v}) TORCH_CHECK(t->stride(2) == 1, "prefill_attention: elements contiguous");
   TORCH_CHECK(q.stride(1) == q.size(2), "prefill_attention: q's heads contiguous");
   const int64_t L = q.size(0), Hq = q.size(1), D = q.size(2), C = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
-  auto out = torch::empty({L, Hq * D}, q.options());
+  auto out = at::empty({L, Hq * D}, q.options());
   if (L == 0) return out;
 #if defined(TANDEM_PREFILL_KERNEL)
   auto run = [&](auto tag) {
@@ -468,7 +467,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 #endif
     });
   };
-  if (q.scalar_type() == torch::kBFloat16) {
+  if (q.scalar_type() == at::kBFloat16) {
     run(bf16_t{});
   } else {
     run(float{});

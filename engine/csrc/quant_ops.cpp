@@ -16,11 +16,10 @@
 // 4-bit values put step 2t in the low nibble and step 2t+1 in the high nibble of one byte. Scales
 // (and offsets) are float16 [groups, blocks, 16] in the same order.
 
-#include <torch/extension.h>
-
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include "amx_tiles.h"
 
@@ -520,31 +519,31 @@ constexpr int64_t AMX_MIN_ROWS = 24;
 // uint8 in the group layout; `scale` float16 [Npad / 16, K / 32, 16] (per block) or float32 [Npad]
 // (per row); `offset` float16 like a per-block scale, or none (then w = scale * (u - zero)); `bits` 4
 // or 8; `bias` [N] or none; N <= Npad the real number of rows.
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scale,
-                      const c10::optional<torch::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
-                      const c10::optional<torch::Tensor>& bias) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& offset, int64_t zero, int64_t bits, int64_t N,
+                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "qlinear: x must be a 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "qlinear: float32 or bfloat16 x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: float32 or bfloat16 x");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
   const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
   TORCH_CHECK(K % BLOCK == 0, "qlinear: K must be a multiple of 32");
-  TORCH_CHECK(data.scalar_type() == torch::kByte && data.is_contiguous() && data.dim() == 3 && data.size(1) == nb &&
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 3 && data.size(1) == nb &&
               data.size(2) == GROUP * BLOCK * bits / 8, "qlinear: data uint8 [N / 16, K / 32, 16 * 32 * bits / 8]");
   const int64_t groups = data.size(0), Npad = groups * GROUP;
   TORCH_CHECK(N <= Npad && N > Npad - GROUP, "qlinear: N must fill the last group of 16 rows");
-  const bool per_row = scale.scalar_type() == torch::kFloat;
+  const bool per_row = scale.scalar_type() == at::kFloat;
   TORCH_CHECK(scale.is_contiguous() && (per_row ? scale.numel() == Npad
-                                                : scale.scalar_type() == torch::kHalf && scale.numel() == Npad * nb),
+                                                : scale.scalar_type() == at::kHalf && scale.numel() == Npad * nb),
               "qlinear: scale float16 [N / 16, K / 32, 16] or float32 [N]");
   const bool has_offset = offset.has_value() && offset->defined();
-  TORCH_CHECK(!has_offset || (!per_row && offset->scalar_type() == torch::kHalf && offset->is_contiguous() &&
+  TORCH_CHECK(!has_offset || (!per_row && offset->scalar_type() == at::kHalf && offset->is_contiguous() &&
                               offset->numel() == scale.numel()), "qlinear: offset float16 shaped like the scale");
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "qlinear: bias must have one value per output");
-    b = bias->to(torch::kFloat).contiguous();
+    b = bias->to(at::kFloat).contiguous();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   auto xc = x.contiguous();
   const QWeight W{data.data_ptr<uint8_t>(),
@@ -553,7 +552,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& data, const t
                   per_row ? scale.data_ptr<float>() : nullptr,
                   static_cast<float>(zero), nb, static_cast<int>(bits)};
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const bool f32 = x.scalar_type() == torch::kFloat;
+  const bool f32 = x.scalar_type() == at::kFloat;
   void* yp = y.data_ptr();
   if (HAVE_AMX && !f32 && M >= AMX_MIN_ROWS && tandem_amx::usable(K)) {
     const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());

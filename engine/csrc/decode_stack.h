@@ -11,9 +11,9 @@
 // cache, no tensor parallelism); the model falls back to its Python forward for everything else, prefill
 // included.
 //
-// It also releases the GIL for the step, so that the service's event loop runs while the engine computes
-// (one kernel call at a time held it for the kernel's whole duration).
-#include <torch/extension.h>
+// It also releases the GIL for the step (bindings.cpp), so that the service's event loop runs while the engine
+// computes.
+#pragma once
 
 #include <cstdint>
 #include <utility>
@@ -21,34 +21,32 @@
 
 #include "cpu_ops.h"
 
-namespace {
-
-namespace py = pybind11;
+namespace tandem_stack {
 
 // A matrix packed for packed_linear (CpuKernels' PackedWeight): its panels, output count, the bias, and the
 // matrix the forward pass reads after it (whose first panels the kernel fetches during its last).
 struct StackLinear {
-  torch::Tensor data;
+  at::Tensor data;
   int64_t rows;
-  c10::optional<torch::Tensor> bias;
-  c10::optional<torch::Tensor> next;
+  c10::optional<at::Tensor> bias;
+  c10::optional<at::Tensor> next;
   int64_t next_rows;
 
-  StackLinear(torch::Tensor data, int64_t rows, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> next,
+  StackLinear(at::Tensor data, int64_t rows, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> next,
               int64_t next_rows)
       : data(std::move(data)), rows(rows), bias(std::move(bias)), next(std::move(next)), next_rows(next_rows) {}
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     return packed_linear(x, data, rows, bias, next, next_rows, false);
   }
 };
 
 // One decoder layer (engine.model.LayerWeights): gate_up packed in half-panels, `rows` its intermediate size.
 struct StackLayer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   StackLinear qkv, o_proj, gate_up, down;
 
-  StackLayer(torch::Tensor input_norm, StackLinear qkv, StackLinear o_proj, torch::Tensor post_norm,
+  StackLayer(at::Tensor input_norm, StackLinear qkv, StackLinear o_proj, at::Tensor post_norm,
              StackLinear gate_up, StackLinear down)
       : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), qkv(std::move(qkv)),
         o_proj(std::move(o_proj)), gate_up(std::move(gate_up)), down(std::move(down)) {}
@@ -56,24 +54,24 @@ struct StackLayer {
 
 class DecodeStack {
  public:
-  DecodeStack(std::vector<StackLayer> layers, torch::Tensor final_norm, double eps, int64_t num_heads,
+  DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), heads_(num_heads),
         kv_heads_(num_kv_heads), head_dim_(head_dim) {}
 
   // x [B, H]: the step's embedded tokens, the residual stream (updated in place); returns the hidden states
   // after the final norm. The rest as the Python forward and the paged attention backend take them.
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos,
-                        const torch::Tensor& sin, std::vector<torch::Tensor> caches, const torch::Tensor& slots,
-                        const torch::Tensor& block_table, const torch::Tensor& context_lens, int64_t block_size,
-                        double scale) const {
+  at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin, std::vector<at::Tensor> caches, const at::Tensor& slots,
+                     const at::Tensor& block_table, const at::Tensor& context_lens, int64_t block_size,
+                     double scale) const {
     TORCH_CHECK(caches.size() == layers_.size(), "decode stack: one KV cache per layer");
     const int64_t n = x.size(0);
-    torch::Tensor delta;  // what the last sub-block adds to the residual stream
+    at::Tensor delta;  // what the last sub-block adds to the residual stream
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& layer = layers_[i];
-      torch::Tensor h = norm(x, delta, layer.input_norm);
-      torch::Tensor qkv = layer.qkv(h);
+      at::Tensor h = norm(x, delta, layer.input_norm);
+      at::Tensor qkv = layer.qkv(h);
       rope_(qkv, positions, cos, sin, heads_ + kv_heads_, head_dim_);
       auto q_k_v = qkv.view({n, heads_ + 2 * kv_heads_, head_dim_}).split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
       write_kv_(caches[i], q_k_v[1], q_k_v[2], slots);
@@ -88,31 +86,14 @@ class DecodeStack {
   size_t num_layers() const { return layers_.size(); }
 
  private:
-  torch::Tensor norm(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight) const {
+  at::Tensor norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight) const {
     return delta.defined() ? add_rms_norm_(x, delta, weight, eps_) : rms_norm(x, weight, eps_);
   }
 
   std::vector<StackLayer> layers_;
-  torch::Tensor final_norm_;
+  at::Tensor final_norm_;
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
 };
 
-}  // namespace
-
-void bind_decode_stack(py::module& m) {
-  py::class_<StackLinear>(m, "StackLinear", "a packed matrix of a DecodeStack")
-      .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>(),
-           py::arg("data"), py::arg("rows"), py::arg("bias"), py::arg("next"), py::arg("next_rows"));
-  py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecodeStack")
-      .def(py::init<torch::Tensor, StackLinear, StackLinear, torch::Tensor, StackLinear, StackLinear>(),
-           py::arg("input_norm"), py::arg("qkv"), py::arg("o_proj"), py::arg("post_norm"), py::arg("gate_up"),
-           py::arg("down"));
-  py::class_<DecodeStack>(m, "DecodeStack", "a decoder's layers for an all-decode step in one call, GIL released")
-      .def(py::init<std::vector<StackLayer>, torch::Tensor, double, int64_t, int64_t, int64_t>(), py::arg("layers"),
-           py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"))
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-           py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
-           py::arg("block_table"), py::arg("context_lens"), py::arg("block_size"), py::arg("scale"))
-      .def("__len__", &DecodeStack::num_layers);
-}
+}  // namespace tandem_stack

@@ -101,9 +101,12 @@ def test_cpu_image_venv_is_a_regular_install_with_the_cpu_torch(cpu_build):
         "    importlib.import_module(m)\n"
         "print(torch.__version__, torch.version.cuda, Path(tandem.__file__).resolve())\n"
         "print(sorted(p.parent.name for p in (Path(tandem.__file__).parent / 'configs').glob('*/config.json')))\n"
+        "from engine import cpu_ops\n"
+        "print(sorted(p.name for p in cpu_ops.SOURCES + cpu_ops.HEADERS if not p.exists()))\n"
     )
-    versions, configs = _run(cpu_build, "python", "-c", code).splitlines()
+    versions, configs, missing_kernel_sources = _run(cpu_build, "python", "-c", code).splitlines()
     torch_version, cuda, location = versions.split()
     assert torch_version == f"{makefile_torch_pin()}+cpu" and cuda == "None"
     assert Path(location).is_relative_to(cpu_build.resolve()), "installed into the venv, not linked to the sources"
     assert "smollm2-135m" in configs  # package data made it into the wheel
+    assert missing_kernel_sources == "[]"  # the CPU kernels' sources too (built on first use)

@@ -1,4 +1,4 @@
-"""The CPU kernels of ``engine/csrc`` (``cpu_ops.cpp``, ``quant_ops.cpp``), compiled once per machine and cached.
+"""The CPU kernels of ``engine/csrc`` (their Python module is ``bindings.cpp``), compiled once per machine and cached.
 
 They are built with the machine's compiler for its own instruction set (``-march=native``),
 so the build happens here rather than in a wheel: on first use, or ahead of time with

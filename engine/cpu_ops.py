@@ -26,7 +26,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-# bindings.cpp first: the one file that includes <torch/extension.h>, so the longest compile starts first.
+# bindings.cpp first: the one file that includes pybind11, the longest compile, starts first.
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("bindings.cpp", "cpu_ops.cpp", "quant_ops.cpp", "packed_linear.cpp", "argmax.cpp",
                         "prefill_attention.cpp")]

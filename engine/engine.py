@@ -39,8 +39,8 @@ log = logging.getLogger("tandem.engine")
 
 # How long a step with nothing to compute but KV loads in flight sleeps before it returns. Without it a caller
 # stepping in a loop (the async loop, generate, a test) held the GIL that the connector's threads need to finish
-# those loads: four pulls of a few blocks took 5-9 s so, 0.2 s with the pause (long enough on a slow host for the
-# store's lease on the blocks to end mid-pull).
+# those loads: four pulls of a few blocks took 5-9 s that way (long enough on a slow host for the store's lease on
+# the blocks to end mid-pull), 0.2 s with the pause.
 LOAD_POLL_S = 0.001
 
 

@@ -40,7 +40,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("NATIVE_BF16") = false;
 #endif
-  m.attr("DOT_BF16") = has_dot_bf16();
+  // Whether the kernels use AVX512_BF16's dot products (cpu_ops.cpp's HAVE_DPBF16, packed_linear.cpp's
+  // DOT_PRODUCTS_BF16): the same compile-time test.
+#if defined(__AVX512BF16__)
+  m.attr("DOT_BF16") = true;
+#else
+  m.attr("DOT_BF16") = false;
+#endif
   // The widest vectors the kernels were compiled for (TANDEM_CPU_MARCH may name an older CPU than this one).
 #if defined(__AVX512F__)
   m.attr("SIMD") = "avx512";

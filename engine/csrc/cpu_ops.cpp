@@ -1201,5 +1201,3 @@ at::Tensor huge_page_buffer(int64_t nbytes) {
   return at::from_blob(p, {static_cast<int64_t>(size)}, [](void* q) { std::free(q); }, at::kByte);
 #endif
 }
-
-bool has_dot_bf16() { return HAVE_DPBF16; }

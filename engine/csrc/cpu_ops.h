@@ -21,7 +21,6 @@ void write_kv_(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, cons
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, int64_t block_size, double scale);
 at::Tensor huge_page_buffer(int64_t nbytes);
-bool has_dot_bf16();  // whether the kernels use AVX512_BF16 dot products (DOT_BF16)
 
 // quant_ops.cpp
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,

@@ -10,8 +10,8 @@ PROMPT ?= What is the capital of France?
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q torch==2.13.0 uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.installed

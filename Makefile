@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TANDEM := $(VENV)/bin/tandem
+UV := $(VENV)/bin/uv
 PROMPT ?= What is the capital of France?
 
 .PHONY: setup model run test test-fast lint bench clean gpu-check
@@ -11,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[test]"
+	$(UV) pip install -q --python $(PY) -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.installed

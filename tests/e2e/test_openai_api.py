@@ -282,8 +282,8 @@ AIPERF = "aiperf==0.13.0"  # NVIDIA's (Dynamo's) load generator; its own venv: i
 
 @pytest.fixture(scope="module")
 def aiperf() -> Path:
-    """AIPerf in a venv of its own under $TANDEM_HOME/tools, built once per machine by uv (seconds; pip took 90 s
-    of CPU on the same packages, most of a CI run's longest setup)."""
+    """AIPerf in a venv of its own under $TANDEM_HOME/tools, built once per machine by uv (4 s; pip spent 90 s of
+    CPU on the same packages)."""
     venv = tandem_home() / "tools" / AIPERF.replace("==", "-")
     exe = venv / "bin" / "aiperf"
     if not exe.exists():

@@ -726,10 +726,42 @@ constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
 
 #if defined(__AVX512F__)
 
-// Scores of keys [t0, t1) for G query heads, 16 keys at a time: each head's 16 dot products stay in
-// vectors and one transpose-add (sum16) turns them into 16 scores, where a horizontal sum per key and
-// head costs more than the dot product itself. bfloat16 with AVX512_BF16 multiplies q and k 32 columns
-// per instruction (products exact in float32); otherwise 16 at a time in float32.
+// The scores of 16 keys (key j's row at row(j)) for the G query heads of head size D, stored where `valid` at
+// out + g * n: each head's 16 dot products stay in vectors and one transpose-add (sum16) turns them into 16 scores,
+// where a horizontal sum per key and head costs more than the dot product itself. bfloat16 with AVX512_BF16
+// multiplies q and k 32 columns per instruction (products exact in float32); otherwise 16 at a time in float32.
+template <typename T, int D, typename Row>
+inline void score_heads16(const float* qf, const T* qraw, int64_t G, Row row, __mmask16 valid, __m512 sc,
+                          float* out, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (scores_read_raw_q<T>(D)) {
+        for (int64_t c = 0; c < D; c += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qraw + g * D + c);
+          for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(row(j) + c), qv);
+        }
+        _mm512_mask_storeu_ps(out + g * n, valid, _mm512_mul_ps(sum16(acc), sc));
+        continue;
+      }
+    }
+#endif
+    for (int64_t c = 0; c < D; c += LANES) {
+      const __m512 qv = _mm512_loadu_ps(qf + g * D + c);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(load16(row(j) + c), qv, acc[j]);
+    }
+    _mm512_mask_storeu_ps(out + g * n, valid, _mm512_mul_ps(sum16(acc), sc));
+  }
+}
+
+// Scores of keys [t0, t1) for G query heads of head size D, 16 keys at a time (score_heads16). Where blocks hold
+// whole sixteens (the engine's 16-token blocks), each 16 keys are one block's run of rows: one address and constant
+// offsets, where 16 row pointers looked up one by one spilled registers in the dot-product loop (GCC 12 kept
+// several on the stack and reloaded them, and one accumulator went through memory each pass); 30 layers' decode
+// attention of 64 sequences of 160 keys, bfloat16, in-process A/B on a 2-core AMX Xeon: 16.7 -> 15.4 and
+// 21.4 -> 17.6 ms (medians of 15), 16 of 600 keys 22.1 -> 19.5, float32 16 of 160 8.3 -> 7.6.
 // The same keys' value rows (`vc`) are fetched into L2 as the scores go: the value pass reads them only after
 // the softmax, and until then a task had one short stream in flight where it can have two. Over 30 layers'
 // caches of 16 sequences (~160 keys), evicted between passes: 2.6 -> 2.0 ms, 64 sequences 10.7 -> 8.3.
@@ -738,13 +770,15 @@ constexpr int64_t VALUE_PREFETCH = 8;  // value rows ahead
 // 16 keys in flight the two added up rather than overlapped. Same caches on a 2-core Zen 4: 16 sequences 3.71 ->
 // 2.68 ms, 64 sequences 17.8 -> 11.3, 16 of ~600 keys 15.8 -> 10.3 (float32, 16 of 160: 6.79 -> 4.83); the share
 // doubled, done by the middle of the task, was slower (2.35 -> 2.44, 10.5 -> 11.0).
-template <typename T>
-void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc, const T* vc, const int32_t* table,
+template <typename T, int D>
+void scores16(const float* qf, const T* qraw, int64_t G, const T* kc, const T* vc, const int32_t* table,
               int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
   const int64_t n = t1 - t0;
   const __m512 sc = _mm512_set1_ps(scale);
   const T* rows[16];
   const int64_t groups = (n + 15) / 16, share = (next.t1 - next.t0 + groups - 1) / groups;  // next task's keys per group
+  // Each 16 keys one run of a block's rows when blocks hold whole sixteens (t0 is a multiple of 16: PART_KEYS).
+  const bool runs = block_size % 16 == 0 && t0 % 16 == 0;
   int64_t ahead = next.t0;
   for (int64_t t = t0; t < t1; t += 16) {
     for (const int64_t end = std::min(next.t1, ahead + share); ahead < end; ++ahead) {
@@ -753,32 +787,27 @@ void scores16(const float* qf, const T* qraw, int64_t G, int64_t D, const T* kc,
       prefetch_row<_MM_HINT_T1>(next.vc + (row - next.kc), D);
     }
     const int cnt = static_cast<int>(std::min<int64_t>(16, t1 - t));
+    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+    if (runs) {
+      const T* base = slot_row(kc, table, block_size, t, D);
+      if (t + 16 < t1) {
+        const T* nb = slot_row(kc, table, block_size, t + 16, D);
+        const int64_t m = std::min<int64_t>(16, t1 - t - 16);
+        for (int64_t off = 0; off < m * D * static_cast<int64_t>(sizeof(T)); off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(nb) + off, _MM_HINT_T0);
+      }
+      const char* vb = reinterpret_cast<const char*>(vc + (base - kc));
+      for (int64_t off = 0; off < cnt * D * static_cast<int64_t>(sizeof(T)); off += 64)
+        _mm_prefetch(vb + off, _MM_HINT_T1);
+      // rows past cnt lie in the same block: read, and masked out of the store
+      score_heads16<T, D>(qf, qraw, G, [base](int j) { return base + j * D; }, valid, sc, scores + t - t0, n);
+      continue;
+    }
     for (int j = 0; j < 16; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
     for (int64_t j = t + 16; j < std::min(t + 32, t1); ++j)  // the next 16 keys' rows, while these compute
       prefetch_row(slot_row(kc, table, block_size, j, D), D);
     for (int j = 0; j < cnt; ++j) prefetch_row<_MM_HINT_T1>(vc + (rows[j] - kc), D);  // the same slot's value row
-    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, bf16_t>) {
-        if (scores_read_raw_q<T>(D)) {
-          for (int64_t c = 0; c < D; c += 32) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qraw + g * D + c);
-            for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(rows[j] + c), qv);
-          }
-          _mm512_mask_storeu_ps(scores + g * n + t - t0, valid, _mm512_mul_ps(sum16(acc), sc));
-          continue;
-        }
-      }
-#endif
-      for (int64_t c = 0; c < D; c += LANES) {
-        const __m512 qv = _mm512_loadu_ps(qf + g * D + c);
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(load16(rows[j] + c), qv, acc[j]);
-      }
-      _mm512_mask_storeu_ps(scores + g * n + t - t0, valid, _mm512_mul_ps(sum16(acc), sc));
-    }
+    score_heads16<T, D>(qf, qraw, G, [&rows](int j) { return rows[j]; }, valid, sc, scores + t - t0, n);
   }
 }
 
@@ -820,7 +849,12 @@ bool attend_part_vec(const float* qf, const T* qraw, int64_t G, int64_t D, const
                      float* m, float* l, float* acc, const NextTask<T>& next) {
   if (!vector_head(D)) return false;
   const int64_t n = t1 - t0;  // > 0 (attend_range)
-  scores16<T>(qf, qraw, G, D, kc, vc, table, block_size, t0, t1, scale, scores, next);
+  switch (D) {
+    case 16: scores16<T, 16>(qf, qraw, G, kc, vc, table, block_size, t0, t1, scale, scores, next); break;
+    case 32: scores16<T, 32>(qf, qraw, G, kc, vc, table, block_size, t0, t1, scale, scores, next); break;
+    case 64: scores16<T, 64>(qf, qraw, G, kc, vc, table, block_size, t0, t1, scale, scores, next); break;
+    default: scores16<T, 128>(qf, qraw, G, kc, vc, table, block_size, t0, t1, scale, scores, next); break;
+  }
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % LANES)) - 1);  // the last n % 16 keys
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;

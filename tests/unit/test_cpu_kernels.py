@@ -436,17 +436,19 @@ def _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim=32, block_size=4,
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4), (9, 3), (20, 2)])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 80])
-def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads, head_dim, block_size):
     """Head sizes 16-128 take the vector loops (AVX-512: 16 keys per score pass, values in registers for up to
     16 / (head size / 16) query heads at a time, more in further passes; AVX2: 8 keys, bfloat16 in even/odd order,
-    values 32 columns by up to 3 heads a pass); 80 the portable ones."""
+    values 32 columns by up to 3 heads a pass); 80 the portable ones. Blocks of 16 give AVX-512's score pass each
+    16 keys as one block's run of rows, blocks of 4 four runs."""
     lens = [1, 3, 4, 5, 17, 64, 100, 33]
-    cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim)
-    args = (num_heads, num_kv_heads, head_dim, 4)
+    cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim, block_size)
+    args = (num_heads, num_kv_heads, head_dim, block_size)
     cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
-    got = cpu.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
+    got = cpu.decode(q, cache, build_metadata(spans, block_size, torch.device("cpu"), group_by_len=False).decodes[0])
     want = torch.empty_like(q)
-    for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
+    for group in build_metadata(spans, block_size, torch.device("cpu")).decodes:
         want[group.token_index] = ref.decode(q[group.token_index], cache, group)
     close(got, want, tol)
 
@@ -464,19 +466,21 @@ def test_cpu_kernels_linear_on_either_side_of_the_gemm_crossover(kernels, rows):
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("lens", [[700], [1000, 3], [130, 640, 5]])
-def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_split_over_threads(ops, dtype, tol, lens, block_size):
     """Long sequences: each (sequence, K/V head) is split into parts of 256 keys across the threads and merged."""
-    cache, q, spans = _paged_case(dtype, lens, 6, 2)
-    args = (6, 2, 32, 4)
+    cache, q, spans = _paged_case(dtype, lens, 6, 2, block_size=block_size)
+    args = (6, 2, 32, block_size)
     cpu, ref = CpuPagedAttentionBackend(*args, ops), TorchAttentionBackend(*args)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the split needs more than one thread
     try:
-        got = cpu.decode(q, cache, build_metadata(spans, 4, torch.device("cpu"), group_by_len=False).decodes[0])
+        meta = build_metadata(spans, block_size, torch.device("cpu"), group_by_len=False)
+        got = cpu.decode(q, cache, meta.decodes[0])
     finally:
         torch.set_num_threads(threads)
     want = torch.empty_like(q)
-    for group in build_metadata(spans, 4, torch.device("cpu")).decodes:
+    for group in build_metadata(spans, block_size, torch.device("cpu")).decodes:
         want[group.token_index] = ref.decode(q[group.token_index], cache, group)
     close(got, want, tol)
 

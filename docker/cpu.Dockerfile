@@ -6,9 +6,10 @@
 #   docker build -f docker/cpu.Dockerfile -t tandem:0.1.0 .        (from the repository root)
 #   docker run --rm tandem:0.1.0 serve gateway --help
 #
-# The project is installed like `make run` installs it: torch==2.13.0 first (here the CPU wheel), then the
-# project from its pyproject.toml (a regular install, not editable). tests/unit/test_docker_images.py runs
-# these RUN steps in a fresh virtualenv, so keep them plain pip commands.
+# The project is installed like `make run` installs it: torch==2.13.0 first with pip (here the CPU wheel), then
+# the project from its pyproject.toml with uv (a regular install, not editable; uv resolves and installs its ~100
+# packages in seconds where pip took a minute or more, and leaves the image after). tests/e2e/test_docker_images.py
+# runs these RUN steps in a fresh virtualenv, so keep them plain pip and uv commands.
 
 ARG PYTHON_VERSION=3.11
 
@@ -41,7 +42,10 @@ COPY decode_svc ./decode_svc
 # Extras: "convert" lets the image run `tandem fetch-model` (transformers, gguf, accelerate);
 # --build-arg TANDEM_EXTRAS= builds a slimmer image for the services alone.
 ARG TANDEM_EXTRAS=convert
-RUN pip install ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}"
+ARG UV_VERSION=0.13.10
+RUN pip install "uv==${UV_VERSION}" \
+ && uv pip install --compile-bytecode ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}" \
+ && pip uninstall -y uv
 
 # ---- runtime: the virtualenv on a clean base, as a non-root user -------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm

@@ -55,7 +55,10 @@ COPY prefill_svc ./prefill_svc
 COPY decode_svc ./decode_svc
 
 ARG TANDEM_EXTRAS=cuda
-RUN pip install ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}"
+ARG UV_VERSION=0.13.10
+RUN pip install "uv==${UV_VERSION}" \
+ && uv pip install --compile-bytecode ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}" \
+ && pip uninstall -y uv
 
 # ---- runtime: the virtualenv on the CUDA runtime base, as a non-root user ------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}

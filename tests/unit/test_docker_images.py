@@ -139,8 +139,8 @@ def final_user(stage: Stage) -> str:
 
 
 def project_install(stage: Stage) -> str:
-    """The RUN step that installs the project from the copied sources."""
-    steps = [r for r in runs(stage) if re.search(r"pip install \"?\.", r)]
+    """The RUN step that installs the project from the copied sources (with uv, as `make setup` does)."""
+    steps = [r for r in runs(stage) if re.search(r"pip install (--\S+ )*\"?\.", r)]
     assert len(steps) == 1, f"expected one `pip install .` step, found {steps}"
     return steps[0]
 
@@ -201,7 +201,10 @@ def test_installs_torch_first_like_make_run(dockerfile):
 def test_both_images_install_the_project_with_the_same_step():
     cpu = next(s for s in stages(CPU) if s.name == "build")
     cuda = next(s for s in stages(CUDA) if s.name == "build")
-    assert project_install(cpu) == project_install(cuda) == 'pip install ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}"'
+    assert " ".join(project_install(cpu).split()) == " ".join(project_install(cuda).split()) == (
+        'pip install "uv==${UV_VERSION}" && uv pip install --compile-bytecode ".${TANDEM_EXTRAS:+[$TANDEM_EXTRAS]}" '
+        '&& pip uninstall -y uv')
+    assert cpu.args["UV_VERSION"] == cuda.args["UV_VERSION"]
     extras = PYPROJECT["project"]["optional-dependencies"]
     assert cpu.args["TANDEM_EXTRAS"] == "convert" and "convert" in extras  # `tandem fetch-model` in the chart
     assert cuda.args["TANDEM_EXTRAS"] == "cuda" and any(d.startswith("flash-attn") for d in extras["cuda"])

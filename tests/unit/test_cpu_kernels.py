@@ -441,7 +441,7 @@ def test_paged_decode_attention(ops, dtype, tol, num_heads, num_kv_heads, head_d
     """Head sizes 16-128 take the vector loops (AVX-512: 16 keys per score pass, values in registers for up to
     16 / (head size / 16) query heads at a time, more in further passes; AVX2: 8 keys, bfloat16 in even/odd order,
     values 32 columns by up to 3 heads a pass); 80 the portable ones. Blocks of 16 give AVX-512's score pass each
-    16 keys as one block's run of rows, blocks of 4 four runs."""
+    16 keys as one block's run of rows; blocks of 4 take its path of 16 rows looked up one by one."""
     lens = [1, 3, 4, 5, 17, 64, 100, 33]
     cache, q, spans = _paged_case(dtype, lens, num_heads, num_kv_heads, head_dim, block_size)
     args = (num_heads, num_kv_heads, head_dim, block_size)

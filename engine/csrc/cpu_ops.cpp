@@ -712,9 +712,9 @@ inline const T* slot_row(const T* cache, const int32_t* table, int64_t block_siz
   return cache + slot_of(table, block_size, t) * D;
 }
 
-// A cache row's lines into L1 ahead of use: the rows of one sequence are short runs (a block's 16 rows of
-// one head) that the hardware prefetcher ramps up on too late; without this decode attention reads its
-// K/V at half the bandwidth that a streaming read gets.
+// A cache row's lines (or a run of rows', `D` elements in all) into L1 ahead of use: the rows of one sequence
+// are short runs (a block's 16 rows of one head) that the hardware prefetcher ramps up on too late; without this
+// decode attention reads its K/V at half the bandwidth that a streaming read gets.
 // `Hint`: _MM_HINT_T1 for rows wanted later than the next few loads, into L2 only.
 template <auto Hint = _MM_HINT_T0, typename T>
 inline void prefetch_row(const T* row, int64_t D) {
@@ -775,7 +775,6 @@ void scores16(const float* qf, const T* qraw, int64_t G, const T* kc, const T* v
               int64_t block_size, int64_t t0, int64_t t1, float scale, float* scores, const NextTask<T>& next) {
   const int64_t n = t1 - t0;
   const __m512 sc = _mm512_set1_ps(scale);
-  const T* rows[16];
   const int64_t groups = (n + 15) / 16, share = (next.t1 - next.t0 + groups - 1) / groups;  // next task's keys per group
   // Each 16 keys one run of a block's rows when blocks hold whole sixteens (t0 is a multiple of 16: PART_KEYS).
   const bool runs = block_size % 16 == 0 && t0 % 16 == 0;
@@ -790,19 +789,14 @@ void scores16(const float* qf, const T* qraw, int64_t G, const T* kc, const T* v
     const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
     if (runs) {
       const T* base = slot_row(kc, table, block_size, t, D);
-      if (t + 16 < t1) {
-        const T* nb = slot_row(kc, table, block_size, t + 16, D);
-        const int64_t m = std::min<int64_t>(16, t1 - t - 16);
-        for (int64_t off = 0; off < m * D * static_cast<int64_t>(sizeof(T)); off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(nb) + off, _MM_HINT_T0);
-      }
-      const char* vb = reinterpret_cast<const char*>(vc + (base - kc));
-      for (int64_t off = 0; off < cnt * D * static_cast<int64_t>(sizeof(T)); off += 64)
-        _mm_prefetch(vb + off, _MM_HINT_T1);
+      if (t + 16 < t1)  // the next 16 keys' run, while these compute
+        prefetch_row(slot_row(kc, table, block_size, t + 16, D), std::min<int64_t>(16, t1 - t - 16) * D);
+      prefetch_row<_MM_HINT_T1>(vc + (base - kc), cnt * D);  // the same slots' value rows
       // rows past cnt lie in the same block: read, and masked out of the store
       score_heads16<T, D>(qf, qraw, G, [base](int j) { return base + j * D; }, valid, sc, scores + t - t0, n);
       continue;
     }
+    const T* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = slot_row(kc, table, block_size, t + std::min(j, cnt - 1), D);
     for (int64_t j = t + 16; j < std::min(t + 32, t1); ++j)  // the next 16 keys' rows, while these compute
       prefetch_row(slot_row(kc, table, block_size, j, D), D);
